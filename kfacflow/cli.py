@@ -1,0 +1,90 @@
+"""Command line: ``python run.py RECIPE.yaml [MORE.yaml] key.sub=value ... [--list [KIND]] [--print-config]``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from kfacflow import registry
+from kfacflow.config import load, to_yaml
+from kfacflow.errors import UserError, did_you_mean
+
+USAGE = """Train a recipe. Recipes merge left to right, then key.sub=value overrides apply.
+
+examples:
+  python run.py recipes/quickstart.yaml
+  python run.py recipes/quickstart.yaml kfac.damping=0.01 launch.nproc=1
+  python run.py resume=runs/quickstart/20261129-120000 train.epochs=10
+  torchrun --nproc_per_node 4 run.py recipes/quickstart.yaml
+  python run.py --list fusion
+"""
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """Parse the command line (recipes and overrides are told apart by the ``=``)."""
+    p = argparse.ArgumentParser(prog="run.py", description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("items", nargs="*", metavar="RECIPE.yaml | key=value", help="recipes, then overrides")
+    p.add_argument(
+        "--list",
+        nargs="?",
+        const="all",
+        metavar="KIND",
+        help="print registry entries (all kinds, or one: " + ", ".join(registry.ALL) + ")",
+    )
+    p.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
+    args = p.parse_args(argv)
+    args.overrides = [a for a in args.items if "=" in a and not a.endswith((".yaml", ".yml"))]
+    args.recipes = [a for a in args.items if a not in args.overrides]
+    return args
+
+
+def list_entries(kind: str) -> str:
+    """Return the registry listing for ``kind`` (or every kind for ``"all"``)."""
+    registry.load_all()
+    if kind != "all" and kind not in registry.ALL:
+        hint = did_you_mean(kind, registry.ALL)
+        raise UserError(f"--list: unknown kind {kind!r}.{hint} Kinds: {', '.join(registry.ALL)}.")
+    lines = []
+    for name, reg in registry.ALL.items():
+        if kind not in ("all", name):
+            continue
+        lines.append(f"{name} ({reg.key}):")
+        width = max(len(e.name) for e in reg)
+        lines += [f"  {e.name:<{width}}  {e.description}" for e in reg]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; return the exit code (2 for a user's mistake)."""
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    try:
+        args = parse(argv)
+        if args.list:
+            print(list_entries(args.list))
+            return 0
+        if not args.recipes and not any(o.startswith("resume=") for o in args.overrides):
+            raise UserError("give a recipe, e.g. `python run.py recipes/quickstart.yaml` (or resume=<run dir>).")
+        cfg = load(args.recipes, args.overrides)
+        if args.print_config:
+            print(to_yaml(cfg), end="")
+            return 0
+        from kfacflow.data import check_data
+        from kfacflow.launch import self_launch, under_launcher
+        from kfacflow.worker import worker
+
+        check_data(cfg.data)
+        command = ["python", "run.py", *argv]
+        if under_launcher() or cfg.launch.nproc == 1:
+            worker(to_yaml(cfg), command, announce=True)
+        else:
+            results = self_launch(cfg.launch.nproc, worker, (to_yaml(cfg), command, False))
+            print(results[0], flush=True)
+        return 0
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return UserError.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

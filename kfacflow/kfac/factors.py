@@ -1,0 +1,115 @@
+"""Stage *factor*: Kronecker factors A and G of a layer, and their packed upper triangles.
+
+Conventions (the paper's, with a batch-mean loss over the local batch of ``N`` examples):
+
+- ``a`` is the layer input with a ones column appended when the layer has a bias, so the
+  bias is the last column of the weight matrix.
+- ``Dg = N * grad_output`` is the per-example gradient w.r.t. the layer output (the
+  ``N`` undoes the 1/N of the batch-mean loss).
+- Linear: ``A = 1/N sum_n a_n a_n^T`` and ``G = 1/N sum_n Dg_n Dg_n^T``. Extra leading
+  dimensions (tokens) are treated as the spatial positions of a convolution.
+- Conv2d, ``expand`` (KFC, Grosse & Martens 2016): each of the ``L`` output positions ``t``
+  contributes the patch ``a_{n,t}`` it was computed from (``F.unfold`` order, channel-major,
+  matching ``weight.view(C_out, -1)``) and its output gradient ``Dg_{n,t}``:
+  ``A = 1/(N L) sum_{n,t} a a^T`` and ``G = 1/N sum_{n,t} Dg Dg^T``, so that
+  ``A kron G`` equals KFC's ``Omega kron Gamma``.
+- Conv2d, ``reduce`` (K-FAC-reduce, Eschenhagen et al. 2023): positions are reduced first,
+  ``a_n = 1/L sum_t a_{n,t}``, ``Dg_n = sum_t Dg_{n,t}``, then as for Linear.
+
+Averaging these factors over ``P`` workers with ``N`` examples each gives exactly the
+factors of one worker with ``P N`` examples.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kfacflow.registry import FACTORS
+
+_MASKS: dict[tuple[int, torch.device], Tensor] = {}
+
+
+def _triu_mask(d: int, device: torch.device) -> Tensor:
+    key = (d, device)
+    if key not in _MASKS:
+        _MASKS[key] = torch.ones(d, d, dtype=torch.bool, device=device).triu()
+    return _MASKS[key]
+
+
+def packed_size(d: int) -> int:
+    """Return the number of elements in the upper triangle (with diagonal) of a d x d matrix."""
+    return d * (d + 1) // 2
+
+
+def pack(m: Tensor) -> Tensor:
+    """Return the upper triangle of square ``m`` (diagonal included), row-major, as a vector."""
+    return m[_triu_mask(m.shape[0], m.device)]
+
+
+def unpack(packed: Tensor, d: int) -> Tensor:
+    """Rebuild the symmetric d x d matrix whose upper triangle :func:`pack` returned."""
+    out = packed.new_zeros(d, d)
+    out[_triu_mask(d, packed.device)] = packed
+    return out + out.triu(1).T
+
+
+def _with_ones(a: Tensor, bias: bool) -> Tensor:
+    if not bias:
+        return a
+    return torch.cat([a, a.new_ones(a.shape[0], 1)], dim=1)
+
+
+def conv_patches(module: nn.Conv2d, x: Tensor) -> Tensor:
+    """Return the input patches of ``module`` as ``(N, L, C_in*kh*kw)``.
+
+    Padding is applied as the module applies it (``_reversed_padding_repeated_twice`` covers
+    integer, tuple and ``"same"`` padding), then ``F.unfold`` without padding.
+    """
+    x = F.pad(x, module._reversed_padding_repeated_twice)
+    cols = F.unfold(x, module.kernel_size, dilation=module.dilation, stride=module.stride)
+    return cols.transpose(1, 2)
+
+
+class ExpandFactors:
+    """KFC factors: every spatial position of a Conv2d output counts as a sample."""
+
+    def a_factor(self, module: nn.Module, x: Tensor) -> Tensor:
+        """Return A for ``module`` from its input ``x``."""
+        bias = getattr(module, "bias", None) is not None
+        if isinstance(module, nn.Conv2d):
+            a = self._conv_a(module, x)
+        else:
+            a = x.reshape(-1, x.shape[-1])
+        a = _with_ones(a, bias)
+        return a.T @ (a / a.shape[0])
+
+    def g_factor(self, module: nn.Module, grad_out: Tensor, batch: int) -> Tensor:
+        """Return G for ``module`` from the gradient of its output and the local batch size."""
+        if isinstance(module, nn.Conv2d):
+            g = self._conv_g(grad_out)
+        else:
+            g = grad_out.reshape(-1, grad_out.shape[-1])
+        return (g.T @ g) * batch
+
+    def _conv_a(self, module: nn.Conv2d, x: Tensor) -> Tensor:
+        p = conv_patches(module, x)
+        return p.reshape(-1, p.shape[-1])
+
+    def _conv_g(self, grad_out: Tensor) -> Tensor:
+        return grad_out.flatten(2).transpose(1, 2).reshape(-1, grad_out.shape[1])
+
+
+class ReduceFactors(ExpandFactors):
+    """K-FAC-reduce factors: Conv2d patches averaged and output gradients summed over positions."""
+
+    def _conv_a(self, module: nn.Conv2d, x: Tensor) -> Tensor:
+        return conv_patches(module, x).mean(dim=1)
+
+    def _conv_g(self, grad_out: Tensor) -> Tensor:
+        return grad_out.sum(dim=(2, 3))
+
+
+FACTORS.add("expand", ExpandFactors, "KFC: each Conv2d output position is a sample (Grosse & Martens 2016)")
+FACTORS.add("reduce", ReduceFactors, "K-FAC-reduce: Conv2d positions averaged first (Eschenhagen et al. 2023)")

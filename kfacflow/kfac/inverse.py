@@ -1,0 +1,89 @@
+"""Stage *invert*: damped inverses of factors, as one small type every other stage understands."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kfacflow.kfac.factors import pack, packed_size, unpack
+from kfacflow.registry import INVERSES
+
+
+@dataclass
+class Inverse:
+    """``(F + damping I)^-1`` of one factor, stored densely or as an eigendecomposition.
+
+    ``dense`` holds the symmetric inverse; ``eigen`` holds ``Q`` and ``1 / (lambda + damping)``
+    so that the inverse is ``Q diag(scale) Q^T``. Preconditioning, broadcasting and
+    checkpointing only go through the methods below, so any inverse works with any placement.
+    """
+
+    kind: str
+    tensors: tuple[Tensor, ...]
+
+    def left(self, x: Tensor) -> Tensor:
+        """Return ``inverse @ x``."""
+        if self.kind == "dense":
+            return self.tensors[0] @ x
+        q, scale = self.tensors
+        return q @ (scale[:, None] * (q.T @ x))
+
+    def right(self, x: Tensor) -> Tensor:
+        """Return ``x @ inverse`` (the inverse is symmetric)."""
+        return self.left(x.T).T
+
+    def dense(self) -> Tensor:
+        """Return the inverse as a dense matrix."""
+        if self.kind == "dense":
+            return self.tensors[0]
+        q, scale = self.tensors
+        return (q * scale) @ q.T
+
+    def to_flat(self) -> Tensor:
+        """Return one vector to broadcast: the packed upper triangle, or ``Q`` and the scales."""
+        if self.kind == "dense":
+            return pack(self.tensors[0])
+        q, scale = self.tensors
+        return torch.cat([q.reshape(-1), scale])
+
+    @staticmethod
+    def flat_size(kind: str, d: int) -> int:
+        """Return the length of :meth:`to_flat` for a d x d factor."""
+        return packed_size(d) if kind == "dense" else d * d + d
+
+    @staticmethod
+    def from_flat(kind: str, flat: Tensor, d: int) -> Inverse:
+        """Rebuild an :class:`Inverse` from :meth:`to_flat`'s vector."""
+        if kind == "dense":
+            return Inverse("dense", (unpack(flat, d),))
+        return Inverse("eigen", (flat[: d * d].reshape(d, d), flat[d * d :]))
+
+
+def _damped(factor: Tensor, damping: float) -> Tensor:
+    return factor + damping * torch.eye(factor.shape[0], dtype=factor.dtype, device=factor.device)
+
+
+def cholesky_inverse(factor: Tensor, damping: float) -> Inverse:
+    """Return ``(factor + damping I)^-1`` through a Cholesky factorisation (half LU's flops).
+
+    Raises:
+        torch.linalg.LinAlgError: If the damped factor is not positive definite.
+    """
+    chol = torch.linalg.cholesky(_damped(factor, damping))
+    return Inverse("dense", (torch.cholesky_inverse(chol),))
+
+
+def eigen_inverse(factor: Tensor, damping: float) -> Inverse:
+    """Return ``(factor + damping I)^-1`` as ``Q diag(1/(lambda + damping)) Q^T``.
+
+    Eigenvalues below zero (round-off of a PSD factor) are clamped to zero first.
+    """
+    evals, q = torch.linalg.eigh(factor)
+    return Inverse("eigen", (q, 1.0 / (evals.clamp(min=0.0) + damping)))
+
+
+INVERSES.add("cholesky", cholesky_inverse, "Cholesky factorisation then cholesky_inverse (dense result)")
+INVERSES.add("eigen", eigen_inverse, "symmetric eigendecomposition; Q and 1/(lambda+damping) travel")
+KINDS = {"cholesky": "dense", "eigen": "eigen"}

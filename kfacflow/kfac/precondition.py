@@ -1,0 +1,63 @@
+"""Stage *precondition*: ``G^-1 grad A^-1`` per layer, then KL clipping of the whole update."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from kfacflow.kfac.inverse import Inverse
+from kfacflow.registry import PRECONDITIONERS
+
+
+def precondition(grad: Tensor, a_inv: Inverse, g_inv: Inverse) -> Tensor:
+    """Return ``G^-1 @ grad @ A^-1``, i.e. ``(A kron G)^-1 vec(grad)`` reshaped (column-major vec).
+
+    Args:
+        grad: The ``(g_dim, a_dim)`` gradient matrix.
+        a_inv: Damped inverse of A.
+        g_inv: Damped inverse of G.
+    """
+    return g_inv.left(a_inv.right(grad))
+
+
+def kl_clip_scale(pairs: list[tuple[Tensor, Tensor]], lr: float, kl_clip: float) -> float:
+    """Return ``min(1, sqrt(kl_clip / (lr^2 sum v.g)))`` over (preconditioned, raw) gradient pairs.
+
+    Args:
+        pairs: ``(v, g)`` per layer.
+        lr: Current learning rate.
+        kl_clip: The bound; 0 disables clipping.
+    """
+    if kl_clip <= 0 or not pairs:
+        return 1.0
+    vg = sum(float((v * g).sum()) for v, g in pairs) * lr * lr
+    if vg <= 0 or not math.isfinite(vg):
+        return 1.0
+    return min(1.0, math.sqrt(kl_clip / vg))
+
+
+class KFACPrecondition:
+    """Kronecker-factored natural gradient with KL clipping (Martens & Grosse 2015; Ba et al. 2017)."""
+
+    def __init__(self, kl_clip: float) -> None:
+        self.kl_clip = kl_clip
+
+    def __call__(self, grads: list[Tensor], inverses: list[tuple[Inverse, Inverse]], lr: float) -> list[Tensor]:
+        """Return the preconditioned and clipped gradients, one per layer.
+
+        Args:
+            grads: ``(g_dim, a_dim)`` gradients.
+            inverses: ``(A^-1, G^-1)`` per layer.
+            lr: Current learning rate (KL clipping bounds the step, not the direction).
+        """
+        updates = [precondition(g, a, gi) for g, (a, gi) in zip(grads, inverses, strict=True)]
+        scale = kl_clip_scale(list(zip(updates, grads, strict=True)), lr, self.kl_clip)
+        if scale != 1.0:
+            with torch.no_grad():
+                updates = [u * scale for u in updates]
+        return updates
+
+
+PRECONDITIONERS.add("kfac", KFACPrecondition, "G^-1 grad A^-1 per layer, then KL clipping of the update")

@@ -1,0 +1,187 @@
+"""The K-FAC orchestrator: runs factor, communicate, invert and precondition each step."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from kfacflow.config import KFACConfig
+from kfacflow.dist.base import Backend, Handle
+from kfacflow.errors import UserError
+from kfacflow.kfac.factors import pack, unpack
+from kfacflow.kfac.inverse import KINDS, Inverse
+from kfacflow.kfac.layers import KFACLayer, find_layers
+from kfacflow.kfac.placement import EVERY_RANK
+from kfacflow.kfac.variants import Stages
+from kfacflow.registry import COMMUNICATORS, FACTORS, INVERSES, PLACEMENTS, PRECONDITIONERS
+
+logger = logging.getLogger(__name__)
+
+
+class KFACPreconditioner:
+    """Preconditions the gradients of a model's Linear and Conv2d layers with K-FAC.
+
+    Call :meth:`step` between ``loss.backward()`` and ``optimizer.step()``. Hooks capture
+    the layer inputs (forward pre-hook, A) and output gradients (tensor hook, G) on the steps
+    that update factors, and hand each packed factor to the communicate stage at once.
+
+    Args:
+        model: The network (unwrapped; hooks go on its modules).
+        cfg: The ``kfac`` section of the recipe.
+        stages: Stage names after the variant preset was applied.
+        backend: The communication engine.
+
+    Raises:
+        UserError: If the model has no layer K-FAC can precondition.
+    """
+
+    def __init__(self, model: nn.Module, cfg: KFACConfig, stages: Stages, backend: Backend) -> None:
+        self.cfg = cfg
+        self.backend = backend
+        self.layers: list[KFACLayer] = find_layers(model, list(cfg.skip))
+        if not self.layers:
+            raise UserError(
+                "kfac: the model has no Linear or Conv2d layer K-FAC can precondition "
+                "(check kfac.skip, or use kfac.variant=sgd)."
+            )
+        self.factor_stage: Any = FACTORS.get(cfg.factor)()
+        self.comm: Any = COMMUNICATORS.get(stages.fusion)(backend)
+        self.invert: Any = INVERSES.get(stages.inverse)
+        self.inverse_kind = KINDS[stages.inverse]
+        self.precondition: Any = PRECONDITIONERS.get(cfg.precondition)(cfg.kl_clip)
+        self.keys = [f"{layer.name}/{ab}" for layer in self.layers for ab in ("A", "G")]
+        self.dims = [d for layer in self.layers for d in (layer.a_dim, layer.g_dim)]
+        self.owners: list[int] = PLACEMENTS.get(stages.placement)(self.dims, backend.world_size)
+        self.steps = 0
+        self.factors: dict[str, Tensor] = {}
+        self.inverses: dict[str, Inverse] = {}
+        self._batch = 0
+        self._hooks: list[RemovableHandle] = []
+        for layer in self.layers:
+            self._hooks.append(layer.module.register_forward_pre_hook(self._make_a_hook(layer)))
+            self._hooks.append(layer.module.register_forward_hook(self._make_g_hook(layer)))
+        logger.info(
+            "K-FAC on %d layers (%s, %s, %s); largest factor %d",
+            len(self.layers),
+            stages.fusion,
+            stages.placement,
+            stages.inverse,
+            max(self.dims),
+        )
+
+    # --- stage: factor (in hooks) ---------------------------------------------------------
+
+    def capturing(self, module: nn.Module) -> bool:
+        """Whether this forward/backward pass updates factors."""
+        return module.training and torch.is_grad_enabled() and self.steps % self.cfg.factor_update_freq == 0
+
+    def _make_a_hook(self, layer: KFACLayer) -> Any:
+        def hook(module: nn.Module, inputs: tuple[Tensor, ...]) -> None:
+            if not self.capturing(module):
+                return
+            x = inputs[0].detach()
+            self._batch = x.shape[0]
+            with torch.no_grad():
+                self.comm.push(f"{layer.name}/A", pack(self.factor_stage.a_factor(module, x)))
+
+        return hook
+
+    def _make_g_hook(self, layer: KFACLayer) -> Any:
+        def hook(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
+            if not self.capturing(module) or not output.requires_grad:
+                return
+            batch = inputs[0].shape[0]
+
+            def grad_hook(grad: Tensor) -> None:
+                with torch.no_grad():
+                    self.comm.push(f"{layer.name}/G", pack(self.factor_stage.g_factor(module, grad, batch)))
+
+            output.register_hook(grad_hook)
+
+        return hook
+
+    def end_forward(self) -> None:
+        """Tell the communicate stage the forward pass is over (the trainer calls it)."""
+        if self.steps % self.cfg.factor_update_freq == 0:
+            self.comm.end_forward()
+
+    # --- the step ------------------------------------------------------------------------------
+
+    def step(self, lr: float) -> None:
+        """Update factors and inverses when due, then precondition every layer's gradient in place.
+
+        Args:
+            lr: The learning rate the optimizer will use (for KL clipping).
+        """
+        if self.steps % self.cfg.factor_update_freq == 0:
+            self.comm.end_backward()
+            self._update_factors(self.comm.wait())
+        if self.steps % self.cfg.inv_update_freq == 0:
+            self._update_inverses()
+        grads = [layer.grad_matrix() for layer in self.layers]
+        live = [(layer, g) for layer, g in zip(self.layers, grads, strict=True) if g is not None]
+        inverses = [(self.inverses[f"{layer.name}/A"], self.inverses[f"{layer.name}/G"]) for layer, _ in live]
+        updates = self.precondition([g for _, g in live], inverses, lr)
+        for (layer, _), update in zip(live, updates, strict=True):
+            layer.set_grad(update)
+        self.steps += 1
+
+    def _update_factors(self, averaged: dict[str, Tensor]) -> None:
+        missing = [k for k in self.keys if k not in averaged]
+        if missing and not self.factors:
+            raise RuntimeError(f"K-FAC received no factor for {missing[:3]}: was the layer used in forward?")
+        decay = self.cfg.factor_decay
+        with torch.no_grad():
+            for key, d in zip(self.keys, self.dims, strict=True):
+                if key not in averaged:
+                    continue
+                new = unpack(averaged[key], d)
+                old = self.factors.get(key)
+                self.factors[key] = new if old is None else old.mul_(decay).add_(new, alpha=1 - decay)
+
+    def _update_inverses(self) -> None:
+        """Invert owned factors; broadcast each communicated result as soon as it is ready."""
+        rank, damping = self.backend.rank, self.cfg.damping
+        sends: list[tuple[str, int, Tensor, Handle]] = []
+        with torch.no_grad():
+            for key, d, owner in zip(self.keys, self.dims, self.owners, strict=True):
+                if owner in (EVERY_RANK, rank):
+                    inv = self.invert(self.factors[key], damping)
+                    self.inverses[key] = inv
+                    if owner == EVERY_RANK:
+                        continue
+                    flat = inv.to_flat()
+                else:
+                    f = self.factors[key]
+                    flat = f.new_empty(Inverse.flat_size(self.inverse_kind, d))
+                sends.append((key, d, flat, self.backend.broadcast_async(flat, owner)))
+            for key, d, flat, handle in sends:
+                handle.wait()
+                self.inverses[key] = Inverse.from_flat(self.inverse_kind, flat, d)
+
+    # --- checkpoints ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return factors, inverses and the step counter (for checkpoints)."""
+        return {
+            "steps": self.steps,
+            "factors": {k: pack(v) for k, v in self.factors.items()},
+            "inverses": {k: (v.kind, v.tensors) for k, v in self.inverses.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        dims = dict(zip(self.keys, self.dims, strict=True))
+        self.steps = int(state["steps"])
+        self.factors = {k: unpack(v, dims[k]) for k, v in state["factors"].items()}
+        self.inverses = {k: Inverse(kind, tuple(ts)) for k, (kind, ts) in state["inverses"].items()}
+
+    def remove(self) -> None:
+        """Remove the hooks."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

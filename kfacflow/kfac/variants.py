@@ -1,0 +1,44 @@
+"""Variants are presets of the stage choices: D-KFAC, and plain SGD for comparison."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kfacflow.config import KFACConfig
+from kfacflow.registry import VARIANTS
+
+
+@dataclass(frozen=True)
+class Variant:
+    """The stage choices a variant stands for; ``preconditioned=False`` means no K-FAC at all."""
+
+    fusion: str = "after_backward"
+    placement: str = "local"
+    inverse: str = "cholesky"
+    preconditioned: bool = True
+
+
+@dataclass(frozen=True)
+class Stages:
+    """The stage names in force after the recipe's explicit choices override the variant's."""
+
+    fusion: str
+    placement: str
+    inverse: str
+    preconditioned: bool
+
+
+def resolve(cfg: KFACConfig) -> Stages:
+    """Return the stages of ``cfg.variant`` with any explicit ``kfac.fusion/placement/inverse`` winning."""
+    v = VARIANTS.get(cfg.variant)
+    assert isinstance(v, Variant)
+    return Stages(
+        fusion=cfg.fusion or v.fusion,
+        placement=cfg.placement or v.placement,
+        inverse=cfg.inverse or v.inverse,
+        preconditioned=v.preconditioned,
+    )
+
+
+VARIANTS.add("d", Variant(), "D-KFAC: factors all-reduced after backward, every rank inverts everything")
+VARIANTS.add("sgd", Variant(preconditioned=False), "no preconditioner: the first-order optimizer alone")

@@ -1,0 +1,61 @@
+"""Start N local workers through torch's elastic launcher, or join a torchrun/horovodrun job."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import uuid
+from typing import Any
+
+from kfacflow.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+
+def under_launcher() -> bool:
+    """Return whether an external launcher (torchrun, horovodrun, mpirun) started this process."""
+    return ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or "HOROVOD_RANK" in os.environ
+
+
+def self_launch(nproc: int, entry: Any, args: tuple[Any, ...]) -> dict[int, Any]:
+    """Run ``entry(*args)`` in ``nproc`` fresh local processes joined by a c10d rendezvous.
+
+    Args:
+        nproc: Number of workers.
+        entry: A module-level function (pickled into spawned processes).
+        args: Its arguments (picklable).
+
+    Returns:
+        Each rank's return value.
+
+    Raises:
+        SystemExit: With the first failed worker's exit code, after one line naming it.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"kfacflow-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.5,
+        start_method="spawn",
+    )
+    try:
+        result: dict[int, Any] = elastic_launch(config, entry)(*args)
+        return result
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
+        if code != UserError.exit_code:
+            print(
+                f"error: worker {rank} failed with exit code {failure.exitcode}; see its output above.", file=sys.stderr
+            )
+        raise SystemExit(code) from None

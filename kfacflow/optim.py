@@ -1,0 +1,74 @@
+"""First-order optimizers and learning-rate schedules, registered by name."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from kfacflow.config import OptimConfig, ScheduleConfig
+from kfacflow.registry import OPTIMIZERS, SCHEDULES
+
+Multiplier = Callable[[int], float]
+
+
+@OPTIMIZERS.register("sgd", "SGD with momentum, optional Nesterov and weight decay")
+def sgd(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """Return ``torch.optim.SGD`` configured from ``cfg``."""
+    return torch.optim.SGD(
+        params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay
+    )
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """Return the optimizer ``cfg.name`` over ``params``."""
+    optimizer: torch.optim.Optimizer = OPTIMIZERS.get(cfg.name)(params, cfg)  # type: ignore[assignment]
+    return optimizer
+
+
+@SCHEDULES.register("constant", "the base rate throughout (after any warm-up)")
+def constant(cfg: ScheduleConfig, steps_per_epoch: int, total: int) -> Multiplier:
+    """Return a multiplier that is always 1."""
+    return lambda step: 1.0
+
+
+@SCHEDULES.register("warmup", "linear warm-up over schedule.warmup_epochs, then constant")
+def warmup(cfg: ScheduleConfig, steps_per_epoch: int, total: int) -> Multiplier:
+    """Return a multiplier that is always 1 (the warm-up is applied to every schedule)."""
+    return lambda step: 1.0
+
+
+@SCHEDULES.register("step", "multiply by schedule.gamma at each epoch in schedule.milestones")
+def step_decay(cfg: ScheduleConfig, steps_per_epoch: int, total: int) -> Multiplier:
+    """Return a piecewise-constant multiplier with drops at ``cfg.milestones`` (in epochs)."""
+    bounds = sorted(round(m * steps_per_epoch) for m in cfg.milestones)
+    return lambda step: cfg.gamma ** sum(step >= b for b in bounds)
+
+
+@SCHEDULES.register("cosine", "cosine decay from the base rate to 0 at the last step")
+def cosine(cfg: ScheduleConfig, steps_per_epoch: int, total: int) -> Multiplier:
+    """Return a half-cosine multiplier over ``total`` steps."""
+    return lambda step: 0.5 * (1.0 + math.cos(math.pi * min(step, total) / max(total, 1)))
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, steps_per_epoch: int, total: int
+) -> LambdaLR:
+    """Return a per-step ``LambdaLR``: the named schedule times a linear warm-up.
+
+    Args:
+        optimizer: The optimizer whose rate is scheduled.
+        cfg: The ``schedule`` section of the recipe.
+        steps_per_epoch: Optimizer steps per epoch (to convert epochs to steps).
+        total: Optimizer steps of the whole run.
+    """
+    base = SCHEDULES.get(cfg.name)(cfg, steps_per_epoch, total)
+    warm = max(0, round(cfg.warmup_epochs * steps_per_epoch))
+
+    def multiplier(step: int) -> float:
+        ramp = min(1.0, (step + 1) / warm) if warm else 1.0
+        return float(base(step)) * ramp  # type: ignore[operator]
+
+    return LambdaLR(optimizer, multiplier)

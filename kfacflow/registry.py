@@ -1,0 +1,130 @@
+"""One small ``Registry`` class: named builders with a one-line description each."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from kfacflow.errors import UserError, did_you_mean
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Entry(Generic[T]):
+    """A registered object and the line that describes it."""
+
+    name: str
+    obj: T
+    description: str
+
+
+class Registry(Generic[T]):
+    """Maps names to objects for one kind of component (models, datasets, K-FAC stages...).
+
+    A name ending in ``/`` is a prefix entry: ``get("timm/resnet50")`` returns the ``timm/``
+    entry, and the builder receives the rest of the name itself.
+
+    Args:
+        kind: What the entries are, e.g. ``"model"``; used by ``--list``.
+        key: The recipe key that selects an entry, e.g. ``"model.name"``; used in errors.
+    """
+
+    def __init__(self, kind: str, key: str) -> None:
+        self.kind = kind
+        self.key = key
+        self._entries: dict[str, Entry[T]] = {}
+
+    def register(self, name: str, description: str) -> Callable[[T], T]:
+        """Decorator form of :meth:`add`."""
+
+        def deco(obj: T) -> T:
+            self.add(name, obj, description)
+            return obj
+
+        return deco
+
+    def add(self, name: str, obj: T, description: str) -> None:
+        """Register ``obj`` under ``name``.
+
+        Raises:
+            ValueError: If ``name`` is already registered (a programming error).
+        """
+        if name in self._entries:
+            raise ValueError(f"{self.kind} {name!r} is registered twice")
+        self._entries[name] = Entry(name, obj, description)
+
+    def get(self, name: str) -> T:
+        """Return the object registered under ``name`` (or the prefix entry that covers it).
+
+        Raises:
+            UserError: If nothing is registered under ``name``; names the key, close matches
+                and the available entries.
+        """
+        if name in self._entries:
+            return self._entries[name].obj
+        prefix = self.prefix_of(name)
+        if prefix is not None:
+            return self._entries[prefix].obj
+        raise UserError(
+            f"{self.key}: unknown {self.kind} {name!r}.{did_you_mean(name, self._entries)} "
+            f"Available: {', '.join(self.names())} (see `python run.py --list {self.kind}`)."
+        )
+
+    def prefix_of(self, name: str) -> str | None:
+        """Return the prefix entry (``"timm/"``) that covers ``name``, if any."""
+        for key in self._entries:
+            if key.endswith("/") and name.startswith(key) and len(name) > len(key):
+                return key
+        return None
+
+    def names(self) -> list[str]:
+        """Return all registered names in registration order."""
+        return list(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and (name in self._entries or self.prefix_of(name) is not None)
+
+    def __iter__(self) -> Iterator[Entry[T]]:
+        return iter(self._entries.values())
+
+
+# All registry instances live here; the modules named in ``load_all`` fill them at import.
+MODELS: Registry[Callable[..., Any]] = Registry("model", "model.name")
+DATASETS: Registry[Callable[..., Any]] = Registry("dataset", "data.name")
+OPTIMIZERS: Registry[Callable[..., Any]] = Registry("optimizer", "optim.name")
+SCHEDULES: Registry[Callable[..., Any]] = Registry("schedule", "schedule.name")
+BACKENDS: Registry[Callable[..., Any]] = Registry("backend", "dist.backend")
+VARIANTS: Registry[Any] = Registry("variant", "kfac.variant")
+FACTORS: Registry[Callable[..., Any]] = Registry("factor", "kfac.factor")
+COMMUNICATORS: Registry[Callable[..., Any]] = Registry("fusion", "kfac.fusion")
+PLACEMENTS: Registry[Callable[..., Any]] = Registry("placement", "kfac.placement")
+INVERSES: Registry[Callable[..., Any]] = Registry("inverse", "kfac.inverse")
+PRECONDITIONERS: Registry[Callable[..., Any]] = Registry("precondition", "kfac.precondition")
+
+ALL: dict[str, Registry[Any]] = {
+    r.kind: r
+    for r in (
+        MODELS,
+        DATASETS,
+        OPTIMIZERS,
+        SCHEDULES,
+        BACKENDS,
+        VARIANTS,
+        FACTORS,
+        COMMUNICATORS,
+        PLACEMENTS,
+        INVERSES,
+        PRECONDITIONERS,
+    )
+}
+
+
+def load_all() -> None:
+    """Import every module that registers entries, so the registries are complete."""
+    import kfacflow.data
+    import kfacflow.dist
+    import kfacflow.kfac
+    import kfacflow.models
+    import kfacflow.optim  # noqa: F401

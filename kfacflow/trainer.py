@@ -1,0 +1,265 @@
+"""The training loop: data, forward/backward, K-FAC step, optimizer, evaluation, checkpoints, logs."""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig
+from torch import Tensor
+
+from kfacflow import rundir
+from kfacflow.config import to_yaml
+from kfacflow.data import build_datasets
+from kfacflow.dist.base import Backend
+from kfacflow.errors import UserError
+from kfacflow.kfac.preconditioner import KFACPreconditioner
+from kfacflow.kfac.variants import resolve
+from kfacflow.loader import eval_loader, train_loader
+from kfacflow.models import build_model
+from kfacflow.optim import build_optimizer, build_scheduler
+
+logger = logging.getLogger(__name__)
+
+
+def rng_state() -> dict[str, Any]:
+    """Return this process's random number generator states."""
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` returned."""
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def seed_all(seed: int) -> None:
+    """Seed torch, numpy and random."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
+class Trainer:
+    """Builds model, data, optimizer and preconditioner from a recipe and trains.
+
+    Args:
+        cfg: The validated recipe.
+        backend: The communication engine this worker joined.
+        run_dir: The run folder (rank 0 writes into it).
+    """
+
+    def __init__(self, cfg: DictConfig, backend: Backend, run_dir: Path) -> None:
+        self.cfg, self.backend, self.run_dir = cfg, backend, run_dir
+        self.rank, self.world = backend.rank, backend.world_size
+        self.dtype = torch.float64 if cfg.train.dtype == "float64" else torch.float32
+        self.device = backend.device
+        train_set, val_set, info = build_datasets(cfg.data)
+        per_rank = math.ceil(len(train_set) / self.world)  # type: ignore[arg-type]
+        if per_rank < cfg.data.batch_size:
+            raise UserError(
+                f"data.batch_size={cfg.data.batch_size} is more than the {per_rank} training samples "
+                f"each of {self.world} workers gets; lower data.batch_size or the number of workers."
+            )
+        seed_all(cfg.train.seed)  # identical initial weights on every rank
+        model = build_model(cfg.model.name, info.num_classes, info.channels)
+        self.model = model.to(self.device, self.dtype)
+        self.stages = resolve(cfg.kfac)
+        self.kfac = (
+            KFACPreconditioner(self.model, cfg.kfac, self.stages, backend) if self.stages.preconditioned else None
+        )
+        self.net = backend.wrap_model(self.model)
+        self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
+        eval_batch = cfg.data.eval_batch_size or cfg.data.batch_size
+        self.loader, self.sampler = train_loader(
+            train_set, cfg.data.batch_size, self.rank, self.world, cfg.train.seed, cfg.data.workers
+        )
+        self.val_loader = eval_loader(val_set, eval_batch, self.rank, self.world, cfg.data.workers)
+        self.steps_per_epoch = len(self.loader)
+        self.total = cfg.train.steps or cfg.train.epochs * self.steps_per_epoch
+        self.epochs = math.ceil(self.total / self.steps_per_epoch)
+        self.scheduler = build_scheduler(self.optimizer, cfg.schedule, self.steps_per_epoch, self.total)
+        self.step = 0
+        self.history: list[dict[str, float]] = []
+        self.step_times: list[float] = []
+        seed_all(cfg.train.seed + 1 + self.rank)  # per-rank streams for dropout and augmentation
+        self.writer: Any = None
+
+    # --- checkpoints --------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return everything a resumed run needs (collective: every rank must call it)."""
+        return {
+            "step": self.step,
+            "world_size": self.world,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "kfac": self.kfac.state_dict() if self.kfac else None,
+            "history": self.history,
+            "rng": self.backend.gather_objects(rng_state()),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a checkpoint written by :meth:`state_dict`."""
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.kfac and state["kfac"]:
+            self.kfac.load_state_dict(state["kfac"])
+        self.step, self.history = int(state["step"]), list(state["history"])
+        if state["world_size"] == self.world:
+            set_rng_state(state["rng"][self.rank])
+        else:
+            logger.warning(
+                "resuming %d workers from a %d-worker checkpoint: random streams restart",
+                self.world,
+                state["world_size"],
+            )
+
+    def checkpoint(self) -> None:
+        """Write a checkpoint (rank 0 writes; every rank takes part in gathering RNG states)."""
+        state = self.state_dict()
+        if self.rank == 0:
+            rundir.save_checkpoint(self.run_dir, self.step, state, self.cfg.train.keep_checkpoints)
+
+    # --- the loop ------------------------------------------------------------------------
+
+    def fit(self) -> dict[str, Any]:
+        """Train until ``train.steps`` or ``train.epochs``; return the summary (all ranks)."""
+        start = time.perf_counter()
+        if self.cfg.resume:
+            self.load_state_dict(rundir.load_latest_checkpoint(Path(self.cfg.resume)))
+        if self.rank == 0:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(self.run_dir), purge_step=self.step or None)
+            self.writer.add_text("config", "```\n" + to_yaml(self.cfg) + "\n```", self.step)
+        bar = self._progress()
+        epoch_loss = (0.0, 0)
+        while self.step < self.total:
+            epoch, offset = divmod(self.step, self.steps_per_epoch)
+            self.sampler.set_epoch(epoch)
+            self.sampler.skip = offset * self.cfg.data.batch_size
+            sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, samples (since last log)
+            epoch_loss = (0.0, 0)
+            for x, y in self.loader:
+                loss, correct = self._train_step(x, y)
+                n = y.shape[0]
+                sums += torch.tensor([loss * n, correct, n], dtype=torch.float64)
+                epoch_loss = (epoch_loss[0] + loss * n, epoch_loss[1] + n)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{loss:.4f}", epoch=epoch + 1)
+                if self.step % self.cfg.train.log_every == 0 or self.step == self.total:
+                    self._log_train(sums)
+                    sums.zero_()
+                if self.cfg.train.checkpoint_every and self.step % self.cfg.train.checkpoint_every == 0:
+                    self.checkpoint()
+                if self.step >= self.total or self.step % self.steps_per_epoch == 0:
+                    break
+            done_epoch = self.step % self.steps_per_epoch == 0
+            last = self.step >= self.total
+            if last or (done_epoch and (epoch + 1) % self.cfg.train.eval_every == 0):
+                self._evaluate(epoch + 1)
+            if done_epoch and not self.cfg.train.checkpoint_every and not last:
+                self.checkpoint()
+        if bar is not None:
+            bar.close()
+        if not self.cfg.train.checkpoint_every or self.step % self.cfg.train.checkpoint_every:
+            self.checkpoint()
+        totals = self.backend.allreduce_sum(torch.tensor(epoch_loss, dtype=torch.float64))
+        summary = self._summary(float(totals[0]) / max(float(totals[1]), 1.0), time.perf_counter() - start)
+        if self.writer is not None:
+            self.writer.close()
+        return summary
+
+    def _train_step(self, x: Tensor, y: Tensor) -> tuple[float, float]:
+        tic = time.perf_counter()
+        x, y = x.to(self.device, self.dtype, non_blocking=True), y.to(self.device, non_blocking=True)
+        self.net.train()
+        out = self.net(x)
+        if self.kfac:
+            self.kfac.end_forward()
+        loss = F.cross_entropy(out, y)
+        loss.backward()
+        lr = self.optimizer.param_groups[0]["lr"]
+        if self.kfac:
+            self.kfac.step(lr)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+        correct = float((out.detach().argmax(1) == y).sum())
+        value = float(loss.detach())
+        self.step_times.append(time.perf_counter() - tic)
+        return value, correct
+
+    @torch.no_grad()
+    def _evaluate(self, epoch: float) -> None:
+        self.net.eval()
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)
+        for x, y in self.val_loader:
+            x, y = x.to(self.device, self.dtype), y.to(self.device)
+            out = self.net(x)
+            sums += torch.stack(
+                [
+                    F.cross_entropy(out, y, reduction="sum").double(),
+                    (out.argmax(1) == y).sum().double(),
+                    torch.tensor(float(y.shape[0]), dtype=torch.float64, device=self.device),
+                ]
+            )
+        total = self.backend.allreduce_sum(sums).cpu()
+        n = max(float(total[2]), 1.0)
+        record = {"epoch": epoch, "step": self.step, "val_loss": float(total[0]) / n, "val_acc": float(total[1]) / n}
+        self.history.append(record)
+        if self.writer is not None:
+            self.writer.add_scalar("val/loss", record["val_loss"], self.step)
+            self.writer.add_scalar("val/acc", record["val_acc"], self.step)
+            logger.info("epoch %g: val_loss %.4f val_acc %.4f", epoch, record["val_loss"], record["val_acc"])
+
+    def _log_train(self, sums: Tensor) -> None:
+        total = self.backend.allreduce_sum(sums)
+        if self.writer is None or total[2] == 0:
+            return
+        self.writer.add_scalar("train/loss", float(total[0] / total[2]), self.step)
+        self.writer.add_scalar("train/acc", float(total[1] / total[2]), self.step)
+        self.writer.add_scalar("train/lr", self.optimizer.param_groups[0]["lr"], self.step)
+        self.writer.add_scalar("time/step_s", self.step_times[-1], self.step)
+
+    def _progress(self) -> Any:
+        if self.rank != 0 or not self.cfg.train.progress:
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.total, initial=self.step, desc=self.cfg.name, unit="step", dynamic_ncols=True)
+
+    def _summary(self, train_loss: float, seconds: float) -> dict[str, Any]:
+        last = self.history[-1]
+        return {
+            "train_loss": train_loss,
+            "val_loss": last["val_loss"],
+            "val_acc": last["val_acc"],
+            "steps": self.step,
+            "epochs": self.step / self.steps_per_epoch,
+            "world_size": self.world,
+            "variant": self.cfg.kfac.variant,
+            "stages": vars(self.stages),
+            "seconds": seconds,
+            "step_time_median_s": statistics.median(self.step_times) if self.step_times else None,
+            "history": self.history,
+        }

@@ -1,0 +1,88 @@
+"""What each worker process runs: join the job, pick the run folder, train, write the summary."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from kfacflow import registry, rundir
+from kfacflow.config import RunConfig, to_yaml
+from kfacflow.dist.base import Backend
+from kfacflow.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+
+def setup_logging(rank: int) -> None:
+    """Rank 0 logs at INFO, the others only warnings, each line tagged with its rank."""
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"[%(asctime)s r{rank} %(name)s] %(message)s",
+        datefmt="%H:%M:%S",
+        force=True,
+    )
+
+
+def worker(config_yaml: str, argv: list[str], announce: bool) -> str | None:
+    """Run one worker of the job described by the launcher's environment.
+
+    Args:
+        config_yaml: The validated recipe, as YAML.
+        argv: The user's command line (recorded in the run folder).
+        announce: Print the run folder as the last line on rank 0 (False when a parent does).
+
+    Returns:
+        The run folder on rank 0, None elsewhere.
+
+    Raises:
+        SystemExit: Code 2 after one message line when the user can fix the problem.
+    """
+    rank = int(os.environ.get("RANK", os.environ.get("HOROVOD_RANK", 0)))
+    setup_logging(rank)
+    try:
+        return _run(config_yaml, argv, announce, rank)
+    except UserError as err:
+        if rank == 0:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(UserError.exit_code) from None
+
+
+def _run(config_yaml: str, argv: list[str], announce: bool, rank: int) -> str | None:
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.create(config_yaml))
+    assert isinstance(cfg, DictConfig)
+    registry.load_all()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    torch.set_num_threads(cfg.launch.threads or max(1, (os.cpu_count() or 1) // local))
+    backend: Backend = registry.BACKENDS.get(cfg.dist.backend)(cfg.dist)
+    try:
+        from kfacflow.trainer import Trainer
+
+        run_dir = None
+        if backend.rank == 0:
+            run_dir = Path(cfg.resume) if cfg.resume else rundir.new_run_dir(cfg.out_dir, cfg.name)
+            saved = cfg.copy()
+            saved.resume = None
+            rundir.write_metadata(run_dir, to_yaml(saved), argv)
+        run_dir = Path(backend.broadcast_object(str(run_dir) if run_dir else None))
+        summary = Trainer(cfg, backend, run_dir).fit()
+        backend.barrier()
+    finally:
+        backend.close()
+    if backend.rank != 0:
+        return None
+    rundir.write_summary(run_dir, summary)
+    logger.info(
+        "val_acc %.4f val_loss %.4f after %d steps in %.1f s",
+        summary["val_acc"],
+        summary["val_loss"],
+        summary["steps"],
+        summary["seconds"],
+    )
+    if announce:
+        print(run_dir, flush=True)
+    return str(run_dir)

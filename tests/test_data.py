@@ -1,0 +1,145 @@
+"""Tests for kfacflow.data: digits, synthetic, cifar10 and imagefolder datasets."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kfacflow.config import DataConfig
+from kfacflow.data import DataInfo, build_datasets, check_data
+from kfacflow.errors import UserError
+from kfacflow.registry import DATASETS
+
+
+def _all(ds: torch.utils.data.Dataset) -> tuple[torch.Tensor, torch.Tensor]:
+    xs, ys = zip(*(ds[i] for i in range(len(ds))), strict=True)  # type: ignore[arg-type]
+    return torch.stack(list(xs)), torch.as_tensor([int(y) for y in ys])
+
+
+def test_registry_has_entries() -> None:
+    for name in ("digits", "synthetic", "cifar10", "imagefolder"):
+        assert name in DATASETS
+
+
+def test_unknown_dataset() -> None:
+    with pytest.raises(UserError, match="data.name"):
+        check_data(DataConfig(name="digitz"))
+
+
+def test_digits_split_and_stats() -> None:
+    train, val, info = build_datasets(DataConfig(name="digits"))
+    assert info == DataInfo(num_classes=10, channels=1, image_size=8)
+    assert len(train) + len(val) == 1797 and len(train) == 1437
+    x, y = train[0]
+    assert x.shape == (1, 8, 8) and x.dtype == torch.float32 and y.dtype == torch.int64
+    xt, yt = _all(train)
+    assert abs(float(xt.mean())) < 1e-4 and abs(float(xt.std()) - 1) < 1e-3
+    assert set(yt.tolist()) == set(range(10))
+    train2, val2, _ = build_datasets(DataConfig(name="digits"))
+    assert torch.equal(xt, _all(train2)[0]) and torch.equal(_all(val)[0], _all(val2)[0])
+    # Disjoint: no validation image occurs in the training set.
+    tr_rows = {tuple(r.tolist()) for r in xt.flatten(1)}
+    overlap = sum(tuple(r.tolist()) in tr_rows for r in _all(val)[0].flatten(1))
+    assert overlap < 5  # load_digits has a few duplicate images; the index split itself is disjoint
+    from sklearn.datasets import load_digits
+
+    perm = np.random.default_rng(0).permutation(1797)
+    assert set(perm[:1437]).isdisjoint(perm[1437:])
+    assert torch.equal(yt, torch.as_tensor(load_digits().target[perm[:1437]]))
+
+
+def test_digits_resize() -> None:
+    train, val, info = build_datasets(DataConfig(name="digits", image_size=16))
+    assert info.image_size == 16 and train[0][0].shape == (1, 16, 16) and val[0][0].shape == (1, 16, 16)
+
+
+def test_synthetic_deterministic() -> None:
+    cfg = DataConfig(name="synthetic", image_size=32, channels=2, num_classes=5, train_size=10, val_size=4)
+    train, val, info = build_datasets(cfg)
+    assert info == DataInfo(num_classes=5, channels=2, image_size=32)
+    assert len(train) == 10 and len(val) == 4
+    x1, y1 = train[3]
+    x2, y2 = build_datasets(cfg)[0][3]
+    assert x1.shape == (2, 32, 32) and x1.dtype == torch.float32
+    assert torch.equal(x1, x2) and y1 == y2 and 0 <= y1 < 5
+    assert not torch.equal(train[0][0], val[0][0])
+    with pytest.raises(IndexError):
+        train[10]
+
+
+def test_synthetic_default_size() -> None:
+    train, _, info = build_datasets(DataConfig(name="synthetic", train_size=2, val_size=2))
+    assert info.image_size == 224 and train[1][0].shape == (3, 224, 224)
+
+
+def _fake_cifar(folder: Path, rows: int = 4) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(1)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {
+            b"data": rng.integers(0, 256, (rows, 3072), dtype=np.uint8),
+            b"labels": rng.integers(0, 10, rows).tolist(),
+        }
+        with open(folder / name, "wb") as fh:
+            pickle.dump(batch, fh)
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_cifar10_loads(tmp_path: Path, nested: bool) -> None:
+    _fake_cifar(tmp_path / "cifar-10-batches-py" if nested else tmp_path)
+    train, val, info = build_datasets(DataConfig(name="cifar10", root=str(tmp_path)))
+    assert info == DataInfo(num_classes=10, channels=3, image_size=32)
+    assert len(train) == 20 and len(val) == 4
+    x, y = train[0]
+    assert x.shape == (3, 32, 32) and x.dtype == torch.float32 and 0 <= y < 10
+    assert type(x) is torch.Tensor
+    # Without augmentation training samples are deterministic and equal the plain transform.
+    cfg = DataConfig(name="cifar10", root=str(tmp_path), augment=False, image_size=40)
+    train_na, _, _ = build_datasets(cfg)
+    assert train_na[0][0].shape == (3, 40, 40) and torch.equal(train_na[0][0], train_na[0][0])
+
+
+def test_cifar10_missing(tmp_path: Path) -> None:
+    for root in (None, str(tmp_path / "nope"), str(tmp_path)):
+        with pytest.raises(UserError, match="data.root") as err:
+            check_data(DataConfig(name="cifar10", root=root))
+        assert "data_batch_1" in str(err.value) and "\n" not in str(err.value)
+    _fake_cifar(tmp_path)
+    (tmp_path / "test_batch").unlink()
+    with pytest.raises(UserError, match="data_batch_1"):
+        build_datasets(DataConfig(name="cifar10", root=str(tmp_path)))
+
+
+def _fake_folder(root: Path, splits: tuple[str, ...] = ("train", "val")) -> None:
+    from PIL import Image
+
+    rng = np.random.default_rng(2)
+    for split in splits:
+        for cls in ("a", "b"):
+            (root / split / cls).mkdir(parents=True)
+            for i in range(2):
+                img = rng.integers(0, 256, (12, 10, 3), dtype=np.uint8)
+                Image.fromarray(img).save(root / split / cls / f"{i}.png")
+
+
+@pytest.mark.parametrize("augment", [True, False])
+def test_imagefolder_loads(tmp_path: Path, augment: bool) -> None:
+    _fake_folder(tmp_path)
+    train, val, info = build_datasets(DataConfig(name="imagefolder", root=str(tmp_path), image_size=8, augment=augment))
+    assert info == DataInfo(num_classes=2, channels=3, image_size=8)
+    assert len(train) == 4 and len(val) == 4
+    x, y = train[0]
+    assert x.shape == (3, 8, 8) and x.dtype == torch.float32 and y in (0, 1)
+    assert val[3][0].shape == (3, 8, 8) and val[3][1] == 1
+
+
+def test_imagefolder_missing(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="data.root"):
+        check_data(DataConfig(name="imagefolder"))
+    _fake_folder(tmp_path, ("train",))
+    with pytest.raises(UserError, match="data.root.*val/"):
+        check_data(DataConfig(name="imagefolder", root=str(tmp_path)))
