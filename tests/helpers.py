@@ -1,0 +1,100 @@
+"""Test helpers: run the CLI in a subprocess, and run a function in N real gloo worker processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run ``python run.py ARGS`` from the repository root; outputs are captured as text."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), *args],
+        cwd=cwd or ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def last_line(proc: subprocess.CompletedProcess[str]) -> str:
+    """Return the last non-empty line of stdout (rank 0 prints the run folder there)."""
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert lines, f"no output; stderr:\n{proc.stderr[-3000:]}"
+    return lines[-1]
+
+
+def free_port() -> int:
+    """Return a TCP port that was free a moment ago on localhost."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, out: Any, args: tuple[Any, ...]) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
+    torch.set_num_threads(1)
+    try:
+        out.put((rank, True, fn(rank, world, *args)))
+    except BaseException:  # noqa: BLE001 - the parent reports any failure with its traceback
+        out.put((rank, False, traceback.format_exc()))
+
+
+def run_in_gloo(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` in ``world`` fresh processes and return the results by rank.
+
+    Each process has the torchrun-style environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT), so
+    ``TorchBackend`` joins a real gloo group. ``fn`` must be a module-level function and its
+    result picklable. A failure or a hang (past ``timeout`` seconds) fails the test with the
+    workers' tracebacks, and no process is left running.
+    """
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, out, args), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(world):
+            rank, ok, value = out.get(timeout=timeout)
+            if ok:
+                results[rank] = value
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+                break
+    except queue.Empty:
+        errors.append(f"timed out after {timeout} s with results from ranks {sorted(results)}")
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise AssertionError("distributed test body failed:\n" + "\n".join(errors))
+    return [results[r] for r in range(world)]

@@ -1,0 +1,19 @@
+from __future__ import annotations
+
+import torch
+from helpers import run_in_gloo
+
+from kfacflow.config import DistConfig
+from kfacflow.dist.torch import TorchBackend
+
+
+def _sum_ranks(rank: int, world: int) -> float:
+    backend = TorchBackend(DistConfig())
+    t = torch.tensor([float(rank + 1)])
+    backend.allreduce_async(t).wait()
+    backend.close()
+    return float(t)
+
+
+def test_allreduce_in_real_gloo_group() -> None:
+    assert run_in_gloo(_sum_ranks, 3) == [6.0, 6.0, 6.0]
