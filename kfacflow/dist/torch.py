@@ -72,7 +72,7 @@ class TorchBackend(Backend):
         if self.world_size == 1:
             return model
         ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids, broadcast_buffers=True)
+        return DistributedDataParallel(model, device_ids=ids)
 
     def allreduce_sum(self, tensor: Tensor) -> Tensor:
         """Blocking sum on the default group."""
