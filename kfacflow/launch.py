@@ -35,8 +35,10 @@ def self_launch(nproc: int, entry: Any, args: tuple[Any, ...]) -> dict[int, Any]
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    # The workers print their own errors (one line for a user's mistake, a traceback for a bug);
+    # the launcher's ERROR records would repeat them as a second, parent-side traceback.
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

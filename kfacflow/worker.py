@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -50,6 +51,11 @@ def worker(config_yaml: str, argv: list[str], announce: bool) -> str | None:
         if rank == 0:
             print(f"error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(UserError.exit_code) from None
+    except Exception:
+        print(f"worker {rank} failed:", file=sys.stderr, flush=True)
+        traceback.print_exc()
+        sys.stderr.flush()
+        raise
 
 
 def _run(config_yaml: str, argv: list[str], announce: bool, rank: int) -> str | None:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import subprocess
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -58,7 +60,8 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, out: Any, a
     )
     torch.set_num_threads(1)
     try:
-        out.put((rank, True, fn(rank, world, *args)))
+        # Plain pickle: tensors travel by value, not as shared memory that dies with this process.
+        out.put((rank, True, pickle.dumps(fn(rank, world, *args))))
     except BaseException:  # noqa: BLE001 - the parent reports any failure with its traceback
         out.put((rank, False, traceback.format_exc()))
 
@@ -79,22 +82,26 @@ def run_in_gloo(fn: Callable[..., Any], world: int, *args: Any, timeout: float =
         p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
-    try:
-        for _ in range(world):
-            rank, ok, value = out.get(timeout=timeout)
-            if ok:
-                results[rank] = value
-            else:
-                errors.append(f"rank {rank}:\n{value}")
-                break
-    except queue.Empty:
-        errors.append(f"timed out after {timeout} s with results from ranks {sorted(results)}")
-    finally:
-        for p in procs:
-            p.join(timeout=5 if not errors else 0.1)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    deadline = time.monotonic() + timeout
+    while len(results) < world and not errors:
+        try:
+            rank, ok, value = out.get(timeout=1.0)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+            if dead:
+                errors.append(f"ranks {dead} died (exit codes {[procs[r].exitcode for r in dead]}) without a result")
+            elif time.monotonic() > deadline:
+                errors.append(f"timed out after {timeout} s with results from ranks {sorted(results)}")
+            continue
+        if ok:
+            results[rank] = pickle.loads(value)
+        else:
+            errors.append(f"rank {rank}:\n{value}")
+    for p in procs:
+        p.join(timeout=5 if not errors else 0.1)
+        if p.is_alive():
+            p.kill()
+            p.join()
     if errors:
         raise AssertionError("distributed test body failed:\n" + "\n".join(errors))
     return [results[r] for r in range(world)]

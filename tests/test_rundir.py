@@ -1,0 +1,110 @@
+"""The run folder of a 2-worker quickstart run, and reproducing a run from its saved config.yaml."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import last_line, run_cli
+
+STEPS = 3
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    proc = run_cli(*args)
+    assert proc.returncode == 0, f"run failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def first(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("rundir")
+    started = time.time()
+    proc = _run(
+        "recipes/quickstart.yaml",
+        "launch.nproc=2",
+        f"train.steps={STEPS}",
+        "train.dtype=float64",
+        f"out_dir={out}",
+        "train.progress=false",
+    )
+    return {"proc": proc, "out": out, "started": started, "ended": time.time()}
+
+
+def _final_model(run_dir: Path) -> dict[str, torch.Tensor]:
+    path = run_dir / "checkpoints" / f"step_{STEPS:08d}.pt"
+    assert path.is_file(), list(run_dir.rglob("*"))
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    assert state["step"] == STEPS
+    model: dict[str, torch.Tensor] = state["model"]
+    return model
+
+
+def test_run_folder_layout(first: dict[str, Any]) -> None:
+    run_dir = Path(last_line(first["proc"]))
+    assert run_dir.is_dir()
+    assert run_dir.parent == first["out"] / "quickstart"
+    assert re.fullmatch(r"\d{8}-\d{6}", run_dir.name), run_dir.name
+    stamp = datetime.strptime(run_dir.name, "%Y%m%d-%H%M%S").timestamp()
+    assert first["started"] - 2 <= stamp <= first["ended"] + 1
+    assert [p.name for p in first["out"].iterdir()] == ["quickstart"]
+    assert [p.name for p in (first["out"] / "quickstart").iterdir()] == [run_dir.name]
+
+    names = {p.name for p in run_dir.iterdir()}
+    assert {"config.yaml", "command.txt", "versions.json", "summary.json", "checkpoints"} <= names
+
+    config = (run_dir / "config.yaml").read_text()
+    assert "nproc: 2" in config and f"steps: {STEPS}" in config and "dtype: float64" in config
+    assert re.search(r"^resume: null$", config, re.M), "the saved config must not point at a resume folder"
+    command = (run_dir / "command.txt").read_text()
+    assert "recipes/quickstart.yaml" in command and f"train.steps={STEPS}" in command
+    versions = json.loads((run_dir / "versions.json").read_text())
+    assert versions["torch"] == torch.__version__ and versions["python"]
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for key in ("train_loss", "val_loss", "val_acc", "steps", "epochs", "world_size", "variant", "seconds"):
+        assert key in summary, key
+    assert summary["world_size"] == 2
+    assert summary["steps"] == STEPS
+    assert summary["variant"] == "d"
+    assert 0 < summary["epochs"] < 1
+    assert 0 <= summary["val_acc"] <= 1 and summary["val_loss"] > 0 and summary["train_loss"] > 0
+    assert summary["seconds"] > 0
+
+
+def test_tensorboard_events(first: dict[str, Any]) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = Path(last_line(first["proc"]))
+    events = list(run_dir.glob("events.out.tfevents.*"))
+    assert events, sorted(p.name for p in run_dir.iterdir())
+    acc = EventAccumulator(str(run_dir))
+    acc.Reload()
+    scalars = acc.Tags()["scalars"]
+    assert {"train/loss", "val/acc"} <= set(scalars), scalars
+    assert [e.step for e in acc.Scalars("train/loss")][-1] == STEPS
+    assert [e.step for e in acc.Scalars("val/acc")] == [STEPS]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert acc.Scalars("val/acc")[-1].value == pytest.approx(summary["val_acc"], rel=1e-6)
+
+
+def test_saved_config_reproduces_the_run(first: dict[str, Any], tmp_path: Path) -> None:
+    run_dir = Path(last_line(first["proc"]))
+    again = Path(last_line(_run(str(run_dir / "config.yaml"), f"out_dir={tmp_path}", "train.progress=false")))
+    assert again.parent == tmp_path / "quickstart", "the saved name and the new out_dir decide the folder"
+    a, b = _final_model(run_dir), _final_model(again)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].dtype == torch.float64
+        torch.testing.assert_close(a[key], b[key], rtol=1e-12, atol=0, msg=lambda m, k=key: f"{k}: {m}")
+    ja = json.loads((run_dir / "summary.json").read_text())
+    jb = json.loads((again / "summary.json").read_text())
+    assert (jb["steps"], jb["world_size"]) == (ja["steps"], ja["world_size"])
+    assert jb["val_loss"] == pytest.approx(ja["val_loss"], rel=1e-12)
