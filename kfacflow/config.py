@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -127,7 +128,7 @@ class KFACConfig:
     """K-FAC: the variant preset and the four stage choices it fills, and hyperparameters."""
 
     variant: str = "d"
-    """A preset (`--list variant`): ``d`` (D-KFAC) or ``sgd`` (no preconditioner)."""
+    """A preset (`--list variant`): ``spd``, ``mpd``, ``d`` or ``sgd`` (no preconditioner)."""
     factor: str = "expand"
     """How Conv2d factors treat spatial positions (`--list factor`)."""
     fusion: Optional[str] = None
@@ -148,6 +149,12 @@ class KFACConfig:
     """Steps between factor updates."""
     inv_update_freq: int = 1
     """Steps between inverse updates; a multiple of ``factor_update_freq``."""
+    fusion_threshold_mb: float = 64.0
+    """Fusion buffer of the ``threshold`` policy, in MiB (Horovod's default)."""
+    profile: Optional[str] = None
+    """Performance-model profile (tools/fit_perf_models.py); empty calibrates at start when needed."""
+    profile_steps: int = 5
+    """Factor-update steps the ``optimal`` fusion measures (after one warm-up step) before fixing its plan."""
     skip: list[str] = field(default_factory=list)
     """fnmatch patterns of module names K-FAC leaves alone (e.g. ``fc``, ``layer4.*``)."""
 
@@ -173,10 +180,18 @@ class RunConfig:
 
 
 def _omegaconf_message(err: OmegaConfBaseException, where: str) -> str:
-    msg = str(getattr(err, "msg", err)).splitlines()[0]
-    key = getattr(err, "full_key", None) or "?"
+    msg = str(getattr(err, "msg", None) or err).splitlines()[0]
+    key = getattr(err, "full_key", None)
     if isinstance(err, ConfigKeyError):
-        return f"{where}: unknown key '{key}'. {msg.split('. ', 1)[-1] if 'Did you mean' in msg else msg}"
+        hint = msg.split(". ", 1)[-1] if "Did you mean" in msg else "See the keys in kfacflow/config.py."
+        return f"{where}: unknown key '{key}'. {hint}"
+    if not key and "is not a subclass of" in msg:
+        kind = msg.split("is not a subclass of ")[-1].split(".")[0]
+        section = next((f.name for f in fields(RunConfig) if f.type == kind), kind)
+        first = fields(globals()[kind])[0].name if kind in globals() else "key"
+        return f"{where}: '{section}' is a section, not a value; set its keys instead, e.g. {section}.{first}=..."
+    if "is not a ListConfig" in msg:
+        return f"{where}: '{key}' takes a list, e.g. {key}=[a,b]."
     if isinstance(err, ValidationError):
         return f"{where}: bad value for '{key}': {msg}"
     return f"{where}: '{key}': {msg}"
@@ -245,7 +260,7 @@ def load(recipes: list[str], overrides: list[str]) -> DictConfig:
 
 
 def _positive(value: float, key: str, what: str = "must be > 0") -> None:
-    if not value > 0:
+    if not (value > 0 and math.isfinite(value)):
         raise UserError(f"{key}={value} {what}.")
 
 
@@ -277,6 +292,11 @@ def check(cfg: DictConfig) -> None:
 
     check_name(cfg.model.name)
     _positive(cfg.data.batch_size, "data.batch_size")
+    _positive(cfg.train.log_every, "train.log_every")
+    _positive(cfg.train.eval_every, "train.eval_every")
+    for key in ("data.eval_batch_size", "data.workers", "launch.threads", "train.checkpoint_every"):
+        if OmegaConf.select(cfg, key) < 0:
+            raise UserError(f"{key}={OmegaConf.select(cfg, key)} must be >= 0 (0 means: the default).")
     _positive(cfg.optim.lr, "optim.lr")
     _positive(cfg.launch.nproc, "launch.nproc", "must be >= 1 (workers to start on this machine)")
     if cfg.train.steps < 0 or cfg.train.epochs < 1:
@@ -288,13 +308,26 @@ def check(cfg: DictConfig) -> None:
         raise UserError(f"kfac.kl_clip={k.kl_clip} must be >= 0 (0 disables clipping).")
     _positive(k.factor_update_freq, "kfac.factor_update_freq")
     _positive(k.inv_update_freq, "kfac.inv_update_freq")
+    _positive(k.fusion_threshold_mb, "kfac.fusion_threshold_mb")
+    _positive(k.profile_steps, "kfac.profile_steps")
+    if k.profile:
+        from kfacflow.perf import Profile
+
+        Profile.load(k.profile)
     if k.inv_update_freq % k.factor_update_freq:
         raise UserError(
             f"kfac.inv_update_freq={k.inv_update_freq} must be a multiple of "
             f"kfac.factor_update_freq={k.factor_update_freq}."
         )
-    if cfg.resume and not Path(cfg.resume).is_dir():
-        raise UserError(f"resume: {cfg.resume!r} is not a run folder.")
+    if cfg.resume:
+        from kfacflow.rundir import CHECKPOINTS, checkpoints
+
+        if not Path(cfg.resume).is_dir():
+            raise UserError(f"resume: {cfg.resume!r} is not a run folder.")
+        if not checkpoints(Path(cfg.resume)):
+            raise UserError(
+                f"resume: {cfg.resume!r} has no checkpoint in {CHECKPOINTS}/; start a new run without resume=."
+            )
     if cfg.dist.device == "cuda":
         import torch
 

@@ -26,8 +26,12 @@ from kfacflow.kfac.variants import resolve
 from kfacflow.loader import eval_loader, train_loader
 from kfacflow.models import build_model
 from kfacflow.optim import build_optimizer, build_scheduler
+from kfacflow.perf import Profile, calibrate
+from kfacflow.registry import INVERSES
 
 logger = logging.getLogger(__name__)
+
+PROFILE = "profile.yaml"
 
 
 def rng_state() -> dict[str, Any]:
@@ -79,9 +83,10 @@ class Trainer:
         model = build_model(cfg.model.name, info.num_classes, info.channels)
         self.model = model.to(self.device, self.dtype)
         self.stages = resolve(cfg.kfac)
-        self.kfac = (
-            KFACPreconditioner(self.model, cfg.kfac, self.stages, backend) if self.stages.preconditioned else None
-        )
+        self.kfac = None
+        if self.stages.preconditioned:
+            profile = self._profile() if self.stages.fusion == "optimal" or self.stages.placement == "lbp" else None
+            self.kfac = KFACPreconditioner(self.model, cfg.kfac, self.stages, backend, profile)
         self.net = backend.wrap_model(self.model)
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         eval_batch = cfg.data.eval_batch_size or cfg.data.batch_size
@@ -98,6 +103,26 @@ class Trainer:
         self.step_times: list[float] = []
         seed_all(cfg.train.seed + 1 + self.rank)  # per-rank streams for dropout and augmentation
         self.writer: Any = None
+
+    def _profile(self) -> Profile:
+        """Load the recipe's profile (or the resumed run's), else calibrate now and save it in the run folder."""
+        path = self.cfg.kfac.profile or (self.run_dir / PROFILE if (self.run_dir / PROFILE).is_file() else None)
+        if path is not None:
+            profile: Profile = self.backend.broadcast_object(Profile.load(path) if self.rank == 0 else None)
+            return profile
+        profile = calibrate(self.backend, INVERSES.get(self.stages.inverse), self.dtype)
+        if self.rank == 0:
+            profile.save(self.run_dir / PROFILE)
+            logger.info(
+                "calibrated: all-reduce %.2e + %.2e m s, broadcast %.2e + %.2e m s, inverse %s (error %.0f%%)",
+                profile.allreduce.alpha,
+                profile.allreduce.beta,
+                profile.broadcast.alpha,
+                profile.broadcast.beta,
+                profile.inverse.kind,
+                100 * profile.inverse.error,
+            )
+        return profile
 
     # --- checkpoints --------------------------------------------------------------------
 

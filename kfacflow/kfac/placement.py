@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+from kfacflow.errors import UserError
+from kfacflow.perf import Profile
 from kfacflow.registry import PLACEMENTS
 
 EVERY_RANK = -1
 """Owner value of a non-communicated tensor (NCT): every rank inverts it, nothing is sent."""
 
 
-def local(dims: list[int], world_size: int) -> list[int]:
+def local(dims: list[int], sizes: list[int], world_size: int, profile: Profile | None) -> list[int]:
     """Every rank inverts every factor (D-KFAC): no inverse traffic.
 
     Args:
-        dims: Side of each factor, in the preconditioner's order.
+        dims: Side of each factor, in the preconditioner's order (A1, G1, A2, G2, ...).
+        sizes: Elements each inverse sends when broadcast.
         world_size: Number of ranks.
+        profile: Fitted performance models (unused here).
 
     Returns:
         The owner of each factor: :data:`EVERY_RANK` or a rank.
@@ -21,4 +25,42 @@ def local(dims: list[int], world_size: int) -> list[int]:
     return [EVERY_RANK] * len(dims)
 
 
+def round_robin(dims: list[int], sizes: list[int], world_size: int, profile: Profile | None) -> list[int]:
+    """Factor ``i`` goes to rank ``i mod P`` and every result is broadcast (MPD-KFAC, refs. [13, 22, 20])."""
+    if world_size == 1:
+        return local(dims, sizes, world_size, profile)
+    return [i % world_size for i in range(len(dims))]
+
+
+def lbp(dims: list[int], sizes: list[int], world_size: int, profile: Profile | None) -> list[int]:
+    """Load-balancing placement (the paper's Algorithm 1).
+
+    Factors are taken largest first. A factor whose estimated inverse time is below its
+    estimated broadcast time is an NCT: every rank inverts it (its time is added to every
+    rank's load). Otherwise it is a CT, given to the rank with the least estimated load
+    (inverse plus broadcast time); ties go to the lowest rank. With more ranks than factors
+    some ranks simply get none.
+
+    Raises:
+        UserError: Without performance models to estimate the times.
+    """
+    if profile is None:
+        raise UserError("kfac.placement=lbp needs performance models: set kfac.profile or let the run calibrate.")
+    owners = [EVERY_RANK] * len(dims)
+    if world_size == 1:
+        return owners
+    load = [0.0] * world_size
+    for i in sorted(range(len(dims)), key=lambda i: (-dims[i], i)):
+        comp, comm = profile.inverse(dims[i]), profile.broadcast(sizes[i])
+        if comp < comm:
+            load = [x + comp for x in load]
+        else:
+            rank = min(range(world_size), key=lambda r: (load[r], r))
+            owners[i] = rank
+            load[rank] += comp + comm
+    return owners
+
+
 PLACEMENTS.add("local", local, "every rank inverts every factor; no inverse traffic (D-KFAC)")
+PLACEMENTS.add("round_robin", round_robin, "factor i inverted by rank i mod P, every result broadcast (MPD-KFAC)")
+PLACEMENTS.add("lbp", lbp, "Algorithm 1: largest first to the least-loaded rank; NCT where inverting beats sending")

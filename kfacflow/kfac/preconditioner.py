@@ -13,10 +13,12 @@ from kfacflow.config import KFACConfig
 from kfacflow.dist.base import Backend, Handle
 from kfacflow.errors import UserError
 from kfacflow.kfac.factors import pack, unpack
+from kfacflow.kfac.fusion import CommOptions
 from kfacflow.kfac.inverse import KINDS, Inverse
 from kfacflow.kfac.layers import KFACLayer, find_layers
 from kfacflow.kfac.placement import EVERY_RANK
 from kfacflow.kfac.variants import Stages
+from kfacflow.perf import Profile
 from kfacflow.registry import COMMUNICATORS, FACTORS, INVERSES, PLACEMENTS, PRECONDITIONERS
 
 logger = logging.getLogger(__name__)
@@ -34,12 +36,15 @@ class KFACPreconditioner:
         cfg: The ``kfac`` section of the recipe.
         stages: Stage names after the variant preset was applied.
         backend: The communication engine.
+        profile: Performance models (needed by the ``optimal`` fusion and ``lbp`` placement).
 
     Raises:
         UserError: If the model has no layer K-FAC can precondition.
     """
 
-    def __init__(self, model: nn.Module, cfg: KFACConfig, stages: Stages, backend: Backend) -> None:
+    def __init__(
+        self, model: nn.Module, cfg: KFACConfig, stages: Stages, backend: Backend, profile: Profile | None = None
+    ) -> None:
         self.cfg = cfg
         self.backend = backend
         self.layers: list[KFACLayer] = find_layers(model, list(cfg.skip))
@@ -49,13 +54,17 @@ class KFACPreconditioner:
                 "(check kfac.skip, or use kfac.variant=sgd)."
             )
         self.factor_stage: Any = FACTORS.get(cfg.factor)()
-        self.comm: Any = COMMUNICATORS.get(stages.fusion)(backend)
+        options = CommOptions(
+            threshold_bytes=int(cfg.fusion_threshold_mb * 2**20), profile=profile, profile_steps=cfg.profile_steps
+        )
+        self.comm: Any = COMMUNICATORS.get(stages.fusion)(backend, options)
         self.invert: Any = INVERSES.get(stages.inverse)
         self.inverse_kind = KINDS[stages.inverse]
         self.precondition: Any = PRECONDITIONERS.get(cfg.precondition)(cfg.kl_clip)
         self.keys = [f"{layer.name}/{ab}" for layer in self.layers for ab in ("A", "G")]
         self.dims = [d for layer in self.layers for d in (layer.a_dim, layer.g_dim)]
-        self.owners: list[int] = PLACEMENTS.get(stages.placement)(self.dims, backend.world_size)
+        sizes = [Inverse.flat_size(self.inverse_kind, d) for d in self.dims]
+        self.owners: list[int] = PLACEMENTS.get(stages.placement)(self.dims, sizes, backend.world_size, profile)
         self.steps = 0
         self.factors: dict[str, Tensor] = {}
         self.inverses: dict[str, Inverse] = {}
@@ -64,13 +73,16 @@ class KFACPreconditioner:
         for layer in self.layers:
             self._hooks.append(layer.module.register_forward_pre_hook(self._make_a_hook(layer)))
             self._hooks.append(layer.module.register_forward_hook(self._make_g_hook(layer)))
+        nct = sum(o == EVERY_RANK for o in self.owners)
         logger.info(
-            "K-FAC on %d layers (%s, %s, %s); largest factor %d",
+            "K-FAC on %d layers (%s, %s, %s); largest factor %d; %d of %d inverses on every rank",
             len(self.layers),
             stages.fusion,
             stages.placement,
             stages.inverse,
             max(self.dims),
+            nct,
+            len(self.dims),
         )
 
     # --- stage: factor (in hooks) ---------------------------------------------------------

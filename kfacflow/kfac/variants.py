@@ -1,4 +1,4 @@
-"""Variants are presets of the stage choices: D-KFAC, and plain SGD for comparison."""
+"""Variants are presets of the stage choices: SPD-KFAC, MPD-KFAC, D-KFAC, and plain SGD for comparison."""
 
 from __future__ import annotations
 
@@ -40,5 +40,7 @@ def resolve(cfg: KFACConfig) -> Stages:
     )
 
 
+VARIANTS.add("spd", Variant("optimal", "lbp"), "SPD-KFAC: pipelined factor all-reduce with Eq. 15 fusion, LBP inverses")
+VARIANTS.add("mpd", Variant("after_backward", "round_robin"), "MPD-KFAC: factors after backward, inverses round robin")
 VARIANTS.add("d", Variant(), "D-KFAC: factors all-reduced after backward, every rank inverts everything")
 VARIANTS.add("sgd", Variant(preconditioned=False), "no preconditioner: the first-order optimizer alone")

@@ -1,0 +1,213 @@
+"""Performance models: alpha-beta communication, inverse time as a function of d, fitting, profiles."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+from kfacflow.dist.base import Backend
+from kfacflow.errors import UserError
+
+
+@dataclass
+class LinearModel:
+    """``t = alpha + beta * m`` seconds for a message of ``m`` elements (the paper's Eq. 14 and 27)."""
+
+    alpha: float
+    beta: float
+    error: float = 0.0
+    """Relative RMS error of the fit on its measurements."""
+
+    def __call__(self, m: float) -> float:
+        """Return the predicted seconds for ``m`` elements."""
+        return self.alpha + self.beta * m
+
+
+@dataclass
+class InverseModel:
+    """Seconds to invert a ``d x d`` factor.
+
+    ``exp``: ``alpha * exp(beta * d)`` (the paper's Eq. 26). ``cubic``: ``alpha + beta * d^3``
+    (the flop count of a dense factorisation). Whichever fits the measurements better is kept.
+    """
+
+    kind: str
+    alpha: float
+    beta: float
+    error: float = 0.0
+
+    def __call__(self, d: float) -> float:
+        """Return the predicted seconds for a ``d x d`` factor."""
+        if self.kind == "exp":
+            return self.alpha * math.exp(self.beta * d)
+        return self.alpha + self.beta * d**3
+
+
+@dataclass
+class Profile:
+    """The fitted models of one cluster, with the measurements they came from."""
+
+    allreduce: LinearModel
+    broadcast: LinearModel
+    inverse: InverseModel
+    meta: dict[str, Any] = field(default_factory=dict)
+    samples: dict[str, list[list[float]]] = field(default_factory=dict)
+
+    def save(self, path: str | Path) -> None:
+        """Write the profile as YAML."""
+        Path(path).write_text(yaml.safe_dump(asdict(self), sort_keys=False))
+
+    @staticmethod
+    def load(path: str | Path) -> Profile:
+        """Read a profile written by :meth:`save` (or by hand: the three models are enough).
+
+        Raises:
+            UserError: If the file is missing or malformed, naming what is wrong.
+        """
+        p = Path(path)
+        if not p.is_file():
+            raise UserError(f"kfac.profile: {str(path)!r} does not exist; write one with tools/fit_perf_models.py.")
+        try:
+            raw = yaml.safe_load(p.read_text())
+            return Profile(
+                allreduce=LinearModel(**raw["allreduce"]),
+                broadcast=LinearModel(**raw["broadcast"]),
+                inverse=InverseModel(**raw["inverse"]),
+                meta=dict(raw.get("meta") or {}),
+                samples=dict(raw.get("samples") or {}),
+            )
+        except (yaml.YAMLError, KeyError, TypeError, AttributeError) as err:
+            raise UserError(
+                f"kfac.profile: {str(path)!r} is not a valid profile ({type(err).__name__}: {err}); it needs "
+                "allreduce/broadcast {alpha, beta} and inverse {kind, alpha, beta}."
+            ) from None
+
+
+def _rel_rms(pred: np.ndarray, y: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(((pred - y) / y) ** 2)))
+
+
+def fit_linear(sizes: list[float], seconds: list[float]) -> LinearModel:
+    """Fit ``alpha + beta * m`` by least squares weighted by 1/t (relative error), alpha >= 0, beta >= 0."""
+    m, t = np.asarray(sizes, float), np.asarray(seconds, float)
+    w = 1.0 / t
+    design = np.stack([np.ones_like(m), m], axis=1) * w[:, None]
+    (alpha, beta), *_ = np.linalg.lstsq(design, t * w, rcond=None)
+    alpha, beta = max(float(alpha), 0.0), max(float(beta), 0.0)
+    return LinearModel(alpha, beta, _rel_rms(alpha + beta * m, t))
+
+
+def fit_inverse(dims: list[float], seconds: list[float]) -> InverseModel:
+    """Fit both the exponential and the cubic model and return the one with the smaller error."""
+    d, t = np.asarray(dims, float), np.asarray(seconds, float)
+    slope, intercept = np.polyfit(d, np.log(t), 1)
+    exp = InverseModel("exp", float(math.exp(intercept)), float(slope))
+    exp.error = _rel_rms(exp.alpha * np.exp(exp.beta * d), t)
+    lin = fit_linear(list(d**3), list(t))
+    cubic = InverseModel("cubic", lin.alpha, lin.beta, _rel_rms(lin.alpha + lin.beta * d**3, t))
+    return exp if exp.error < cubic.error else cubic
+
+
+def _time(fn: Callable[[], Any], repeat: int, device: torch.device) -> float:
+    best = math.inf
+    for _ in range(repeat):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        tic = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - tic)
+    return best
+
+
+def _allreduce(backend: Backend, buf: torch.Tensor) -> None:
+    backend.allreduce_async(buf).wait()
+
+
+def _broadcast(backend: Backend, buf: torch.Tensor) -> None:
+    backend.broadcast_async(buf, 0).wait()
+
+
+def measure(
+    backend: Backend,
+    dims: list[int],
+    inverse: Callable[[torch.Tensor, float], Any],
+    dtype: torch.dtype,
+    repeat: int = 3,
+) -> dict[str, list[list[float]]]:
+    """Measure all-reduce and broadcast of packed ``d x d`` factors and inverses of ``d x d`` factors.
+
+    Collective: every rank calls it with the same arguments. Times are the best of ``repeat``
+    runs, maximised over ranks (a collective ends when its slowest rank does).
+
+    Returns:
+        ``{"allreduce": [[elements, seconds], ...], "broadcast": ..., "inverse": [[d, seconds], ...]}``.
+    """
+    device = backend.device
+    out: dict[str, list[list[float]]] = {"allreduce": [], "broadcast": [], "inverse": []}
+    gen = torch.Generator().manual_seed(0)
+    for d in dims:
+        m = d * (d + 1) // 2
+        buf = torch.ones(m, dtype=dtype, device=device)
+        ar = _time(partial(_allreduce, backend, buf), repeat, device)
+        bc = _time(partial(_broadcast, backend, buf), repeat, device)
+        x = torch.randn(d, d, generator=gen, dtype=dtype).to(device)
+        spd = x @ x.T / d
+        inv = _time(partial(inverse, spd, 1e-3), repeat, device)
+        out["allreduce"].append([m, ar])
+        out["broadcast"].append([m, bc])
+        out["inverse"].append([d, inv])
+    for key in out:
+        times = torch.tensor([s for _, s in out[key]], dtype=torch.float64)
+        gathered = backend.gather_objects(times.tolist())
+        maxed = np.max(np.asarray(gathered), axis=0)
+        out[key] = [[x, float(t)] for (x, _), t in zip(out[key], maxed, strict=True)]
+    return out
+
+
+def fit(samples: dict[str, list[list[float]]], meta: dict[str, Any]) -> Profile:
+    """Fit a :class:`Profile` from :func:`measure`'s samples."""
+
+    def cols(key: str) -> tuple[list[float], list[float]]:
+        return [x for x, _ in samples[key]], [t for _, t in samples[key]]
+
+    return Profile(
+        allreduce=fit_linear(*cols("allreduce")),
+        broadcast=fit_linear(*cols("broadcast")),
+        inverse=fit_inverse(*cols("inverse")),
+        meta=meta,
+        samples=samples,
+    )
+
+
+QUICK_DIMS = [32, 64, 128, 256, 512, 768, 1024]
+"""Factor sides of the quick calibration a run does at start when it names no profile."""
+
+
+def calibrate(
+    backend: Backend,
+    inverse: Callable[[torch.Tensor, float], Any],
+    dtype: torch.dtype,
+    dims: list[int] | None = None,
+    repeat: int = 3,
+) -> Profile:
+    """Measure and fit on the running job (collective); the same code as ``tools/fit_perf_models.py``."""
+    samples = measure(backend, dims or QUICK_DIMS, inverse, dtype, repeat)
+    meta = {
+        "world_size": backend.world_size,
+        "device": str(backend.device),
+        "dtype": str(dtype).replace("torch.", ""),
+        "backend": type(backend).__name__,
+        "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    return fit(samples, meta)

@@ -1,0 +1,73 @@
+"""Performance models: fits recover known parameters; profiles round-trip; bad profiles are user errors."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kfacflow.errors import UserError
+from kfacflow.perf import InverseModel, LinearModel, Profile, fit, fit_inverse, fit_linear
+
+
+def test_linear_fit_recovers_alpha_beta_from_noisy_measurements() -> None:
+    rng = np.random.default_rng(0)
+    sizes = np.geomspace(1e3, 1e8, 25)
+    seconds = (2e-4 + 8e-9 * sizes) * (1 + 0.01 * rng.standard_normal(sizes.size))
+    model = fit_linear(list(sizes), list(seconds))
+    assert model.alpha == pytest.approx(2e-4, rel=0.05)
+    assert model.beta == pytest.approx(8e-9, rel=0.02)
+    assert model.error < 0.03
+    assert model(1e6) == pytest.approx(model.alpha + model.beta * 1e6)
+
+
+def test_inverse_fit_keeps_the_better_model() -> None:
+    dims = [64, 128, 256, 512, 1024, 2048]
+    cubic = [1e-4 + 2e-11 * d**3 for d in dims]
+    best = fit_inverse(dims, cubic)
+    assert best.kind == "cubic"
+    assert best.beta == pytest.approx(2e-11, rel=1e-3)
+    expo = [3e-4 * math.exp(2e-3 * d) for d in dims]
+    best = fit_inverse(dims, expo)
+    assert best.kind == "exp"
+    assert (best.alpha, best.beta) == (pytest.approx(3e-4, rel=1e-6), pytest.approx(2e-3, rel=1e-6))
+    assert best.error < 1e-9
+
+
+def test_profile_round_trips_through_its_file(tmp_path: Path) -> None:
+    samples = {
+        "allreduce": [[1e3, 1e-4], [1e6, 1e-2], [1e7, 0.1]],
+        "broadcast": [[1e3, 5e-5], [1e6, 5e-3], [1e7, 0.05]],
+        "inverse": [[64, 1e-4], [256, 2e-3], [1024, 0.1]],
+    }
+    prof = fit(samples, {"world_size": 2})
+    prof.save(tmp_path / "p.yaml")
+    back = Profile.load(tmp_path / "p.yaml")
+    assert back == prof
+    assert back.inverse(500) == prof.inverse(500)
+
+
+def test_hand_written_profile_needs_only_the_models(tmp_path: Path) -> None:
+    path = tmp_path / "ib100.yaml"
+    path.write_text(
+        "allreduce: {alpha: 2.0e-5, beta: 1.6e-10}\n"
+        "broadcast: {alpha: 1.0e-5, beta: 8.0e-11}\n"
+        "inverse: {kind: cubic, alpha: 1.0e-4, beta: 1.0e-12}\n"
+    )
+    prof = Profile.load(path)
+    assert prof.allreduce == LinearModel(2e-5, 1.6e-10)
+    assert prof.inverse == InverseModel("cubic", 1e-4, 1e-12)
+
+
+@pytest.mark.parametrize(
+    "text", ["allreduce: {alpha: 1}\n", "- a\n- b\n", "allreduce: [\n", "allreduce: {alpha: 1, beta: 2, gamma: 3}\n"]
+)
+def test_malformed_profile_is_a_user_error(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(UserError, match="kfac.profile"):
+        Profile.load(path)
+    with pytest.raises(UserError, match="does not exist"):
+        Profile.load(tmp_path / "missing.yaml")

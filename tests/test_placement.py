@@ -1,0 +1,64 @@
+"""Inverse placement: the paper's Fig. 5 cases, 2L < P, and CT/NCT from the models."""
+
+from __future__ import annotations
+
+import pytest
+
+from kfacflow.errors import UserError
+from kfacflow.kfac.placement import EVERY_RANK, lbp, local, round_robin
+from kfacflow.perf import InverseModel, LinearModel, Profile
+
+
+def profile(bcast_alpha: float, bcast_beta: float = 0.0) -> Profile:
+    # Inverse time d^3 * 1e-3 s: dims 10, 9, 8, 7 cost 1.0, 0.729, 0.512, 0.343 s.
+    return Profile(
+        allreduce=LinearModel(0.0, 0.0),
+        broadcast=LinearModel(bcast_alpha, bcast_beta),
+        inverse=InverseModel("cubic", 0.0, 1e-3),
+    )
+
+
+DIMS = [10, 7, 8, 9]  # T1..T4 in the preconditioner's order
+SIZES = [d * (d + 1) // 2 for d in DIMS]
+
+
+def test_fig5a_sequential_placement_is_round_robin() -> None:
+    assert round_robin(DIMS, SIZES, 2, None) == [0, 1, 0, 1]
+    # loads: rank 0 inverts 10 and 8 (1.512 s), rank 1 inverts 7 and 9 (1.072 s): unbalanced.
+
+
+def test_fig5b_load_balanced_all_communicated() -> None:
+    # Free broadcasts: every tensor is CT. Largest first: 10 -> r0 (1.0), 9 -> r1 (0.729),
+    # 8 -> r1 (1.241), 7 -> r0 (1.343).
+    assert lbp(DIMS, SIZES, 2, profile(0.0)) == [0, 0, 1, 1]
+
+
+def test_fig5c_load_balanced_with_an_nct() -> None:
+    # A broadcast costs 0.4 s: inverting 7 (0.343 s) is cheaper than sending it -> NCT.
+    # 10 -> r0 (1.4), 9 -> r1 (1.129), 8 -> r1 (2.041), 7 on every rank.
+    assert lbp(DIMS, SIZES, 2, profile(0.4)) == [0, EVERY_RANK, 1, 1]
+
+
+def test_ct_nct_follows_the_models() -> None:
+    # Broadcast dearer than every inverse: all NCT (the D-KFAC placement).
+    assert lbp(DIMS, SIZES, 2, profile(5.0)) == [EVERY_RANK] * 4
+    # Size-dependent broadcast: 0.3 + 0.01 m; d=10: comp 1.0 vs comm 0.85 -> CT;
+    # d=7: 0.343 vs 0.58 -> NCT; d=8: 0.512 vs 0.66 -> NCT; d=9: 0.729 vs 0.75 -> NCT.
+    assert lbp(DIMS, SIZES, 2, profile(0.3, 0.01)) == [0, EVERY_RANK, EVERY_RANK, EVERY_RANK]
+
+
+def test_fewer_tensors_than_ranks() -> None:
+    dims, sizes = [10, 9], [55, 45]
+    assert round_robin(dims, sizes, 4, None) == [0, 1]
+    assert lbp(dims, sizes, 4, profile(0.0)) == [0, 1]
+
+
+def test_single_rank_and_local() -> None:
+    assert lbp(DIMS, SIZES, 1, profile(0.0)) == [EVERY_RANK] * 4
+    assert round_robin(DIMS, SIZES, 1, None) == [EVERY_RANK] * 4
+    assert local(DIMS, SIZES, 8, None) == [EVERY_RANK] * 4
+
+
+def test_lbp_without_models_is_a_user_error() -> None:
+    with pytest.raises(UserError, match="kfac.profile"):
+        lbp(DIMS, SIZES, 2, None)

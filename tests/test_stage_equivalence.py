@@ -1,0 +1,120 @@
+"""D, MPD, SPD and every fusion x placement x inverse give the same parameters, on 2 and 3 gloo workers."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import run_in_gloo
+from torch import nn
+
+from kfacflow.config import DistConfig, KFACConfig
+from kfacflow.dist.torch import TorchBackend
+from kfacflow.kfac.placement import EVERY_RANK
+from kfacflow.kfac.preconditioner import KFACPreconditioner
+from kfacflow.kfac.variants import resolve
+from kfacflow.perf import InverseModel, LinearModel, Profile
+from kfacflow.registry import COMMUNICATORS, INVERSES, PLACEMENTS
+
+FUSIONS = COMMUNICATORS.names()
+PLACES = PLACEMENTS.names()
+INVS = INVERSES.names()
+STEPS = 10
+BATCH = 6
+
+# Factor sides of the model below: conv A 10, G 4; fc1 A 65, G 6; fc2 A 7, G 3. With an inverse
+# costing d^3 us and a broadcast 1e-4 s, sides below 5 are NCT and the rest CT: LBP mixes both.
+PROFILE = Profile(
+    allreduce=LinearModel(alpha=1e-3, beta=1e-9),
+    broadcast=LinearModel(alpha=1e-4, beta=0.0),
+    inverse=InverseModel("cubic", 0.0, 1e-6),
+)
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.AvgPool2d(2),
+        nn.Flatten(),
+        nn.Linear(64, 6),
+        nn.Tanh(),
+        nn.Linear(6, 3),
+    ).double()
+
+
+def train(backend: TorchBackend, fusion: str, placement: str, inverse: str) -> dict[str, Any]:
+    cfg = KFACConfig(
+        fusion=fusion,
+        placement=placement,
+        inverse=inverse,
+        damping=0.01,
+        kl_clip=0.01,
+        profile_steps=2,
+        fusion_threshold_mb=0.0005,
+    )
+    model = make_model()
+    net = backend.wrap_model(model)
+    pre = KFACPreconditioner(model, cfg, resolve(cfg), backend, PROFILE)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(1)
+    world, rank = backend.world_size, backend.rank
+    for _ in range(STEPS):
+        x = torch.randn(world * BATCH, 1, 8, 8, generator=gen, dtype=torch.float64)
+        y = torch.randint(0, 3, (world * BATCH,), generator=gen)
+        part = slice(rank * BATCH, (rank + 1) * BATCH)
+        out = net(x[part])
+        pre.end_forward()
+        F.cross_entropy(out, y[part]).backward()
+        pre.step(lr=0.1)
+        opt.step()
+        opt.zero_grad()
+    pre.remove()
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "inverses": {k: v.dense().clone() for k, v in pre.inverses.items()},
+        "owners": pre.owners,
+        "plan": getattr(pre.comm, "plan", None),
+    }
+
+
+def all_combinations(rank: int, world: int) -> dict[tuple[str, str, str], dict[str, Any]]:
+    backend = TorchBackend(DistConfig(device="cpu"))
+    try:
+        return {combo: train(backend, *combo) for combo in itertools.product(FUSIONS, PLACES, INVS)}
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_stage_combination_gives_the_same_parameters(world: int) -> None:
+    results = run_in_gloo(all_combinations, world, timeout=600)
+    ref = results[0][("after_backward", "local", "cholesky")]["params"]
+    start = make_model()
+    assert any((a - b).abs().max() > 1e-3 for a, b in zip(ref, start.parameters(), strict=True)), "nothing trained"
+    for combo in results[0]:
+        for rank in range(world):
+            got = results[rank][combo]
+            for a, b in zip(got["params"], ref, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9, msg=f"{combo} rank {rank}")
+            for key, inv in got["inverses"].items():
+                torch.testing.assert_close(inv, results[0][combo]["inverses"][key], rtol=1e-9, atol=1e-12)
+            assert got["plan"] == results[0][combo]["plan"], "fusion plans differ between ranks"
+    lbp_owners = results[0][("optimal", "lbp", "cholesky")]["owners"]
+    assert EVERY_RANK in lbp_owners and any(o >= 0 for o in lbp_owners), "LBP should mix CT and NCT here"
+    assert results[0][("optimal", "lbp", "cholesky")]["plan"], "the optimal fusion never made its plan"
+
+
+def test_variant_presets() -> None:
+    assert (resolve(KFACConfig(variant="spd")).fusion, resolve(KFACConfig(variant="spd")).placement) == (
+        "optimal",
+        "lbp",
+    )
+    mpd = resolve(KFACConfig(variant="mpd"))
+    assert (mpd.fusion, mpd.placement, mpd.inverse) == ("after_backward", "round_robin", "cholesky")
+    d = resolve(KFACConfig(variant="d", placement="lbp", inverse="eigen"))
+    assert (d.fusion, d.placement, d.inverse) == ("after_backward", "lbp", "eigen")
