@@ -71,3 +71,38 @@ def test_malformed_profile_is_a_user_error(tmp_path: Path, text: str) -> None:
         Profile.load(path)
     with pytest.raises(UserError, match="does not exist"):
         Profile.load(tmp_path / "missing.yaml")
+
+
+def test_fit_tool_measures_a_two_worker_job(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    out = tmp_path / "profile.yaml"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "fit_perf_models.py"),
+            "--nproc",
+            "2",
+            "--dims",
+            "32,64,128,192",
+            "--repeat",
+            "1",
+            "--out",
+            str(out),
+            "--plot",
+            str(tmp_path / "figs"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    prof = Profile.load(out)
+    assert prof.meta["world_size"] == 2
+    assert [d for d, _ in prof.samples["inverse"]] == [32, 64, 128, 192]
+    assert all(t > 0 for _, t in prof.samples["allreduce"])
+    assert prof.inverse.kind in ("exp", "cubic") and prof.inverse.error >= 0
+    assert {p.name for p in (tmp_path / "figs").iterdir()} == {"fig7_comm.png", "fig8_inverse.png", "fig11_nct.png"}

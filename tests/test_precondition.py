@@ -104,12 +104,19 @@ def test_eigen_clamps_negative_round_off() -> None:
     torch.testing.assert_close(inv.left(v), v / evals[2:], rtol=0, atol=1e-3)
 
 
-def test_cholesky_raises_on_indefinite() -> None:
-    f = torch.tensor([[1.0, 0.0], [0.0, -1.0]], dtype=DT)
+def test_cholesky_retries_with_more_damping_then_falls_back_to_eigen(caplog: pytest.LogCaptureFixture) -> None:
+    # eigenvalue -5e-8: indefinite with damping 1e-8, positive definite with 10x damping (1e-7).
+    f = torch.tensor([[1.0, 0.0], [0.0, -5e-8]], dtype=DT)
     with pytest.raises(torch.linalg.LinAlgError):
-        cholesky_inverse(f, 1e-8)
-    inv = eigen_inverse(f, 1e-8)  # clamps instead
-    assert torch.isfinite(inv.dense()).all()
+        torch.linalg.cholesky(f + 1e-8 * torch.eye(2, dtype=DT))
+    torch.testing.assert_close(cholesky_inverse(f, 1e-8).dense(), torch.linalg.inv(f + 1e-7 * torch.eye(2, dtype=DT)))
+    # eigenvalue -1: indefinite even with 100x damping -> eigendecomposition with the eigenvalue clamped to 0.
+    f = torch.tensor([[1.0, 0.0], [0.0, -1.0]], dtype=DT)
+    with caplog.at_level("WARNING"):
+        inv = cholesky_inverse(f, 1e-2)
+    assert inv.kind == "dense"
+    torch.testing.assert_close(inv.dense(), torch.diag(torch.tensor([1 / 1.01, 1 / 1e-2], dtype=DT)))
+    torch.testing.assert_close(inv.dense(), eigen_inverse(f, 1e-2).dense())
 
 
 # --- KL clipping ----------------------------------------------------------------------------------------

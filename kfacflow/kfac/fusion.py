@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -12,6 +13,8 @@ from kfacflow.dist.base import Backend, Handle
 from kfacflow.kfac.fusion_plan import plan_groups
 from kfacflow.perf import Profile
 from kfacflow.registry import COMMUNICATORS
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -204,6 +207,14 @@ class Optimal(Naive):
             self.plan += [[keys[i] for i in g] for g in groups]
         self.group_of = {k: g for g, keys in enumerate(self.plan) for k in keys}
         self.group_len = [len(keys) for keys in self.plan]
+        n_a = sum(1 for g in self.plan if g[0].endswith("/A"))
+        logger.info(
+            "optimal fusion: %d A factors in %d all-reduces, %d G factors in %d",
+            sum(len(g) for g in self.plan[:n_a]),
+            n_a,
+            sum(len(g) for g in self.plan[n_a:]),
+            len(self.plan) - n_a,
+        )
 
 
 COMMUNICATORS.add("after_backward", AfterBackward, "all factors fused into one all-reduce after backward (D-KFAC)")

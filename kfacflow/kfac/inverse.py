@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -9,6 +10,8 @@ from torch import Tensor
 
 from kfacflow.kfac.factors import pack, packed_size, unpack
 from kfacflow.registry import INVERSES
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -68,11 +71,29 @@ def _damped(factor: Tensor, damping: float) -> Tensor:
 def cholesky_inverse(factor: Tensor, damping: float) -> Inverse:
     """Return ``(factor + damping I)^-1`` through a Cholesky factorisation (half LU's flops).
 
-    Raises:
-        torch.linalg.LinAlgError: If the damped factor is not positive definite.
+    A factor whose large eigenvalues make the damping vanish in round-off is not numerically
+    positive definite. Then the damping is raised tenfold, twice, and if that fails too the
+    eigendecomposition (with negative eigenvalues clamped) gives the inverse; this is logged
+    once per process. Every rank that inverts the same factor takes the same path.
     """
-    chol = torch.linalg.cholesky(_damped(factor, damping))
-    return Inverse("dense", (torch.cholesky_inverse(chol),))
+    for boost in RETRY_BOOSTS:
+        chol, info = torch.linalg.cholesky_ex(_damped(factor, damping * boost))
+        if int(info) == 0:
+            if boost != 1:
+                _warn_once(f"a factor needed {boost}x damping to be positive definite")
+            return Inverse("dense", (torch.cholesky_inverse(chol),))
+    _warn_once("a factor stayed indefinite under Cholesky; using its eigendecomposition")
+    return Inverse("dense", (eigen_inverse(factor, damping).dense(),))
+
+
+RETRY_BOOSTS = (1, 10, 100)
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning("%s (logged once)", message)
 
 
 def eigen_inverse(factor: Tensor, damping: float) -> Inverse:
