@@ -34,9 +34,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
     args = p.parse_args(argv)
-    args.overrides = [a for a in args.items if "=" in a and not a.endswith((".yaml", ".yml"))]
+    args.overrides = [a for a in args.items if "=" in a and _is_key(a.partition("=")[0])]
     args.recipes = [a for a in args.items if a not in args.overrides]
     return args
+
+
+def _is_key(text: str) -> bool:
+    """Whether ``text`` (what stands before an ``=``) is a dotted recipe key rather than a file path."""
+    return bool(text) and all(part.isidentifier() for part in text.split("."))
 
 
 def list_entries(kind: str) -> str:

@@ -72,6 +72,10 @@ class TrainConfig:
     """Newest checkpoints kept on disk."""
     progress: bool = True
     """Show a progress bar on rank 0."""
+    timing_warmup: int = 2
+    """First steps left out of the mean time breakdown and the median step time in summary.json."""
+    timeline: int = 0
+    """Record step N (from 1) of every rank as timeline.json (Chrome trace) and timeline.png; 0 is off."""
 
 
 @dataclass
@@ -294,7 +298,14 @@ def check(cfg: DictConfig) -> None:
     _positive(cfg.data.batch_size, "data.batch_size")
     _positive(cfg.train.log_every, "train.log_every")
     _positive(cfg.train.eval_every, "train.eval_every")
-    for key in ("data.eval_batch_size", "data.workers", "launch.threads", "train.checkpoint_every"):
+    for key in (
+        "data.eval_batch_size",
+        "data.workers",
+        "launch.threads",
+        "train.checkpoint_every",
+        "train.timing_warmup",
+        "train.timeline",
+    ):
         if OmegaConf.select(cfg, key) < 0:
             raise UserError(f"{key}={OmegaConf.select(cfg, key)} must be >= 0 (0 means: the default).")
     _positive(cfg.optim.lr, "optim.lr")

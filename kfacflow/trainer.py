@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import random
@@ -28,10 +29,12 @@ from kfacflow.models import build_model
 from kfacflow.optim import build_optimizer, build_scheduler
 from kfacflow.perf import Profile, calibrate
 from kfacflow.registry import INVERSES
+from kfacflow.timing import StepTimer, summarize
 
 logger = logging.getLogger(__name__)
 
 PROFILE = "profile.yaml"
+TIMINGS = "timings.jsonl"
 
 
 def rng_state() -> dict[str, Any]:
@@ -83,10 +86,13 @@ class Trainer:
         model = build_model(cfg.model.name, info.num_classes, info.channels)
         self.model = model.to(self.device, self.dtype)
         self.stages = resolve(cfg.kfac)
+        self.timer = StepTimer(self.device)
+        self.timings: list[dict[str, float]] = []
+        self._timings_written = 0
         self.kfac = None
         if self.stages.preconditioned:
             profile = self._profile() if self.stages.fusion == "optimal" or self.stages.placement == "lbp" else None
-            self.kfac = KFACPreconditioner(self.model, cfg.kfac, self.stages, backend, profile)
+            self.kfac = KFACPreconditioner(self.model, cfg.kfac, self.stages, backend, profile, self.timer)
         self.net = backend.wrap_model(self.model)
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         eval_batch = cfg.data.eval_batch_size or cfg.data.batch_size
@@ -214,14 +220,25 @@ class Trainer:
         return summary
 
     def _train_step(self, x: Tensor, y: Tensor) -> tuple[float, float]:
-        tic = time.perf_counter()
+        timer = self.timer
+        tic = timer.now()
+        timer.begin_step(trace=self.step + 1 == self.cfg.train.timeline)
         x, y = x.to(self.device, self.dtype, non_blocking=True), y.to(self.device, non_blocking=True)
         self.net.train()
+        start = timer.now()
         out = self.net(x)
         if self.kfac:
             self.kfac.end_forward()
         loss = F.cross_entropy(out, y)
+        mid = timer.now()
         loss.backward()
+        end = timer.now()
+        grad_comm = end - self.backend.last_grad_launch if self.backend.last_grad_launch > mid else 0.0
+        timer.add("GradComm", grad_comm)
+        hooks = timer.parts["FactorComp"] + timer.parts["FactorComm"]  # factor work done inside forward/backward
+        timer.add("FF&BP", max(0.0, end - start - hooks - grad_comm))
+        timer.record("forward", "compute", start, mid)
+        timer.record("backward", "compute", mid, end)
         lr = self.optimizer.param_groups[0]["lr"]
         if self.kfac:
             self.kfac.step(lr)
@@ -231,8 +248,23 @@ class Trainer:
         self.step += 1
         correct = float((out.detach().argmax(1) == y).sum())
         value = float(loss.detach())
-        self.step_times.append(time.perf_counter() - tic)
+        parts = timer.end_step(timer.now() - tic)
+        self.timings.append(parts)
+        self.step_times.append(parts["total"])
+        if timer.tracing:
+            self._write_timeline()
         return value, correct
+
+    def _write_timeline(self) -> None:
+        """Gather the traced step's events from every rank; rank 0 writes the trace and its picture."""
+        events = self.backend.gather_objects(self.timer.events)
+        if self.rank != 0:
+            return
+        from kfacflow.timeline import write_timeline
+
+        figure = write_timeline(events, self.run_dir, f"{self.cfg.name}: step {self.step} ({self.cfg.kfac.variant})")
+        if self.writer is not None and figure is not None:
+            self.writer.add_figure("timeline", figure, self.step)
 
     @torch.no_grad()
     def _evaluate(self, epoch: float) -> None:
@@ -265,6 +297,12 @@ class Trainer:
         self.writer.add_scalar("train/acc", float(total[1] / total[2]), self.step)
         self.writer.add_scalar("train/lr", self.optimizer.param_groups[0]["lr"], self.step)
         self.writer.add_scalar("time/step_s", self.step_times[-1], self.step)
+        fresh = self.timings[self._timings_written :]
+        for part, seconds in summarize(fresh, 0).items():
+            self.writer.add_scalar(f"breakdown/{part}", seconds, self.step)
+        with open(self.run_dir / TIMINGS, "a") as f:
+            f.writelines(json.dumps({"step": self._timings_written + i + 1, **p}) + "\n" for i, p in enumerate(fresh))
+        self._timings_written = len(self.timings)
 
     def _progress(self) -> Any:
         if self.rank != 0 or not self.cfg.train.progress:
@@ -274,6 +312,7 @@ class Trainer:
         return tqdm(total=self.total, initial=self.step, desc=self.cfg.name, unit="step", dynamic_ncols=True)
 
     def _summary(self, train_loss: float, seconds: float) -> dict[str, Any]:
+        warm = self.cfg.train.timing_warmup
         last = self.history[-1]
         return {
             "train_loss": train_loss,
@@ -285,6 +324,7 @@ class Trainer:
             "variant": self.cfg.kfac.variant,
             "stages": vars(self.stages),
             "seconds": seconds,
-            "step_time_median_s": statistics.median(self.step_times) if self.step_times else None,
+            "step_time_median_s": statistics.median(self.step_times[warm:] or self.step_times),
+            "breakdown_mean_s": summarize(self.timings, warm),
             "history": self.history,
         }

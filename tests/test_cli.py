@@ -313,10 +313,10 @@ def test_explicit_stage_wins_in_summary(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((Path(last_line(proc)) / "summary.json").read_text())
     assert summary["stages"] == {
-        "fusion": "after_backward",
-        "placement": "local",
+        "fusion": "optimal",
+        "placement": "lbp",
         "inverse": "eigen",
         "preconditioned": True,
     }
-    assert summary["variant"] == "d" and summary["steps"] == 2
+    assert summary["variant"] == "spd" and summary["steps"] == 2
     assert Path(last_line(proc)).parent == tmp_path / "quickstart"

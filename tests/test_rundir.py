@@ -73,7 +73,7 @@ def test_run_folder_layout(first: dict[str, Any]) -> None:
         assert key in summary, key
     assert summary["world_size"] == 2
     assert summary["steps"] == STEPS
-    assert summary["variant"] == "d"
+    assert summary["variant"] == "spd"
     assert 0 < summary["epochs"] < 1
     assert 0 <= summary["val_acc"] <= 1 and summary["val_loss"] > 0 and summary["train_loss"] > 0
     assert summary["seconds"] > 0

@@ -35,6 +35,8 @@ class Backend(ABC):
     local_rank: int = 0
     local_world_size: int = 1
     device: torch.device = torch.device("cpu")
+    last_grad_launch: float = 0.0
+    """``perf_counter`` time at which the last gradient all-reduce of this step was launched."""
 
     @abstractmethod
     def allreduce_async(self, tensor: Tensor) -> Handle:

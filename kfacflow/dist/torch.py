@@ -5,11 +5,13 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from kfacflow.config import DistConfig
@@ -72,7 +74,20 @@ class TorchBackend(Backend):
         if self.world_size == 1:
             return model
         ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids)
+        ddp = DistributedDataParallel(model, device_ids=ids)
+
+        def timed_allreduce(state: Any, bucket: Any) -> torch.futures.Future[Tensor]:
+            self.last_grad_launch = time.perf_counter()
+            return default_hooks.allreduce_hook(state, bucket)
+
+        # DDP compares the hook's annotations with the real classes; postponed (string) annotations
+        # from ``from __future__ import annotations`` would fail that check.
+        timed_allreduce.__annotations__ = {
+            "state": Any, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]
+        }
+        # DDP's own all-reduce, with the launch time noted for the GradComm breakdown.
+        ddp.register_comm_hook(None, timed_allreduce)
+        return ddp
 
     def allreduce_sum(self, tensor: Tensor) -> Tensor:
         """Blocking sum on the default group."""

@@ -13,6 +13,7 @@ from kfacflow.dist.base import Backend, Handle
 from kfacflow.kfac.fusion_plan import plan_groups
 from kfacflow.perf import Profile
 from kfacflow.registry import COMMUNICATORS
+from kfacflow.timing import StepTimer
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +28,8 @@ class CommOptions:
     """All-reduce model of the ``optimal`` policy."""
     profile_steps: int = 5
     """Factor-update steps the ``optimal`` policy measures before it fixes its plan."""
+    timer: StepTimer | None = None
+    """Records each all-reduce from launch to completion when tracing."""
 
 
 class FusedAllreduce:
@@ -37,12 +40,15 @@ class FusedAllreduce:
         items: ``(key, packed factor)`` pairs; all of one dtype and device.
     """
 
-    def __init__(self, backend: Backend, items: list[tuple[str, Tensor]]) -> None:
+    def __init__(self, backend: Backend, items: list[tuple[str, Tensor]], timer: StepTimer | None = None) -> None:
         self.world_size = backend.world_size
         self.keys = [k for k, _ in items]
         self.sizes = [t.numel() for _, t in items]
         self.buffer = torch.cat([t.reshape(-1) for _, t in items]) if len(items) > 1 else items[0][1]
         self.handle: Handle = backend.allreduce_async(self.buffer)
+        if timer is not None:
+            name = self.keys[0] if len(items) == 1 else f"{self.keys[0]} +{len(items) - 1}"
+            timer.on_done(self.handle, name, "allreduce")
 
     def wait(self) -> dict[str, Tensor]:
         """Block until done; return the averaged factors by key."""
@@ -85,7 +91,7 @@ class Communicator:
     def flush(self) -> None:
         """Launch one fused all-reduce of everything pending."""
         if self.pending:
-            self.inflight.append(FusedAllreduce(self.backend, self.pending))
+            self.inflight.append(FusedAllreduce(self.backend, self.pending, self.options.timer))
             self.launches += 1
             self.pending = []
 

@@ -20,6 +20,7 @@ from kfacflow.kfac.placement import EVERY_RANK
 from kfacflow.kfac.variants import Stages
 from kfacflow.perf import Profile
 from kfacflow.registry import COMMUNICATORS, FACTORS, INVERSES, PLACEMENTS, PRECONDITIONERS
+from kfacflow.timing import StepTimer
 
 logger = logging.getLogger(__name__)
 
@@ -37,16 +38,24 @@ class KFACPreconditioner:
         stages: Stage names after the variant preset was applied.
         backend: The communication engine.
         profile: Performance models (needed by the ``optimal`` fusion and ``lbp`` placement).
+        timer: Where stage times and (when tracing) per-layer events go.
 
     Raises:
         UserError: If the model has no layer K-FAC can precondition.
     """
 
     def __init__(
-        self, model: nn.Module, cfg: KFACConfig, stages: Stages, backend: Backend, profile: Profile | None = None
+        self,
+        model: nn.Module,
+        cfg: KFACConfig,
+        stages: Stages,
+        backend: Backend,
+        profile: Profile | None = None,
+        timer: StepTimer | None = None,
     ) -> None:
         self.cfg = cfg
         self.backend = backend
+        self.timer = timer or StepTimer(backend.device)
         self.layers: list[KFACLayer] = find_layers(model, list(cfg.skip))
         if not self.layers:
             raise UserError(
@@ -55,7 +64,10 @@ class KFACPreconditioner:
             )
         self.factor_stage: Any = FACTORS.get(cfg.factor)()
         options = CommOptions(
-            threshold_bytes=int(cfg.fusion_threshold_mb * 2**20), profile=profile, profile_steps=cfg.profile_steps
+            threshold_bytes=int(cfg.fusion_threshold_mb * 2**20),
+            profile=profile,
+            profile_steps=cfg.profile_steps,
+            timer=self.timer,
         )
         self.comm: Any = COMMUNICATORS.get(stages.fusion)(backend, options)
         self.invert: Any = INVERSES.get(stages.inverse)
@@ -68,7 +80,7 @@ class KFACPreconditioner:
         self.steps = 0
         self.factors: dict[str, Tensor] = {}
         self.inverses: dict[str, Inverse] = {}
-        self._batch = 0
+        self._forward_start: dict[str, float] = {}
         self._hooks: list[RemovableHandle] = []
         for layer in self.layers:
             self._hooks.append(layer.module.register_forward_pre_hook(self._make_a_hook(layer)))
@@ -96,9 +108,11 @@ class KFACPreconditioner:
             if not self.capturing(module):
                 return
             x = inputs[0].detach()
-            self._batch = x.shape[0]
-            with torch.no_grad():
-                self.comm.push(f"{layer.name}/A", pack(self.factor_stage.a_factor(module, x)))
+            with torch.no_grad(), self.timer.span("FactorComp", f"{layer.name}/A", "factor"):
+                packed = pack(self.factor_stage.a_factor(module, x))
+            with self.timer.span("FactorComm"):
+                self.comm.push(f"{layer.name}/A", packed)
+            self._forward_start[layer.name] = self.timer.now()
 
         return hook
 
@@ -107,10 +121,15 @@ class KFACPreconditioner:
             if not self.capturing(module) or not output.requires_grad:
                 return
             batch = inputs[0].shape[0]
+            start = self._forward_start.pop(layer.name, None)
+            if start is not None:
+                self.timer.record(layer.name, "forward", start, self.timer.now())
 
             def grad_hook(grad: Tensor) -> None:
-                with torch.no_grad():
-                    self.comm.push(f"{layer.name}/G", pack(self.factor_stage.g_factor(module, grad, batch)))
+                with torch.no_grad(), self.timer.span("FactorComp", f"{layer.name}/G", "factor"):
+                    packed = pack(self.factor_stage.g_factor(module, grad, batch))
+                with self.timer.span("FactorComm"):
+                    self.comm.push(f"{layer.name}/G", packed)
 
             output.register_hook(grad_hook)
 
@@ -119,7 +138,8 @@ class KFACPreconditioner:
     def end_forward(self) -> None:
         """Tell the communicate stage the forward pass is over (the trainer calls it)."""
         if self.steps % self.cfg.factor_update_freq == 0:
-            self.comm.end_forward()
+            with self.timer.span("FactorComm"):
+                self.comm.end_forward()
 
     # --- the step ------------------------------------------------------------------------------
 
@@ -130,8 +150,11 @@ class KFACPreconditioner:
             lr: The learning rate the optimizer will use (for KL clipping).
         """
         if self.steps % self.cfg.factor_update_freq == 0:
-            self.comm.end_backward()
-            self._update_factors(self.comm.wait())
+            with self.timer.span("FactorComm"):
+                self.comm.end_backward()
+                averaged = self.comm.wait()
+            with self.timer.span("FactorComp"):
+                self._update_factors(averaged)
         if self.steps % self.cfg.inv_update_freq == 0:
             self._update_inverses()
         grads = [layer.grad_matrix() for layer in self.layers]
@@ -162,7 +185,8 @@ class KFACPreconditioner:
         with torch.no_grad():
             for key, d, owner in zip(self.keys, self.dims, self.owners, strict=True):
                 if owner in (EVERY_RANK, rank):
-                    inv = self.invert(self.factors[key], damping)
+                    with self.timer.span("InverseComp", key, "inverse"):
+                        inv = self.invert(self.factors[key], damping)
                     self.inverses[key] = inv
                     if owner == EVERY_RANK:
                         continue
@@ -170,10 +194,14 @@ class KFACPreconditioner:
                 else:
                     f = self.factors[key]
                     flat = f.new_empty(Inverse.flat_size(self.inverse_kind, d))
-                sends.append((key, d, flat, self.backend.broadcast_async(flat, owner)))
-            for key, d, flat, handle in sends:
-                handle.wait()
-                self.inverses[key] = Inverse.from_flat(self.inverse_kind, flat, d)
+                with self.timer.span("InverseComm"):
+                    handle = self.backend.broadcast_async(flat, owner)
+                self.timer.on_done(handle, f"{key} from {owner}", "broadcast")
+                sends.append((key, d, flat, handle))
+            with self.timer.span("InverseComm"):
+                for key, d, flat, handle in sends:
+                    handle.wait()
+                    self.inverses[key] = Inverse.from_flat(self.inverse_kind, flat, d)
 
     # --- checkpoints ------------------------------------------------------------------------------
 

@@ -1,0 +1,50 @@
+"""The timeline of one traced step: a Chrome trace (open it in Perfetto) and a picture like the paper's Fig. 4."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kfacflow.rundir import write_atomic
+from kfacflow.timing import chrome_trace
+
+LANES = ("forward", "backward", "factor", "allreduce", "inverse", "broadcast")
+COLORS = {"forward": "C0", "backward": "C1", "factor": "C2", "allreduce": "C3", "inverse": "C4", "broadcast": "C5"}
+
+
+def write_timeline(events_by_rank: list[list[dict[str, Any]]], run_dir: Path, title: str) -> Any:
+    """Write ``timeline.json`` and ``timeline.png`` into ``run_dir``; return the matplotlib figure.
+
+    Args:
+        events_by_rank: Each rank's events (``name``, ``lane``, ``t0``, ``t1`` in seconds from its step start).
+        run_dir: The run folder.
+        title: Figure title.
+    """
+    write_atomic(run_dir / "timeline.json", json.dumps(chrome_trace(events_by_rank)).encode())
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [(rank, lane) for rank in range(len(events_by_rank)) for lane in LANES]
+    fig, ax = plt.subplots(figsize=(12, 0.35 * len(rows) + 1.2))
+    for y, (rank, lane) in enumerate(rows):
+        spans = [(e["t0"], e["t1"] - e["t0"]) for e in events_by_rank[rank] if _lane(e) == lane]
+        if spans:
+            ax.broken_barh(spans, (y - 0.4, 0.8), facecolors=COLORS[lane], edgecolors="black", linewidth=0.2)
+    ax.set_yticks(range(len(rows)), [f"rank {r} {lane}" for r, lane in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds from the start of the step")
+    ax.set_title(title, fontsize=9)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(run_dir / "timeline.png", dpi=110)
+    return fig
+
+
+def _lane(event: dict[str, Any]) -> str:
+    lane = str(event["lane"])
+    if lane == "compute":
+        return "forward" if event["name"] == "forward" else "backward"
+    return lane

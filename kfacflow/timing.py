@@ -1,0 +1,125 @@
+"""Stage timers: the paper's six-part step breakdown, and per-layer events for a timeline.
+
+Categories follow the paper (Fig. 9): ``FF&BP`` (forward and backward compute), ``GradComm``
+(gradient all-reduce), ``FactorComp``, ``FactorComm``, ``InverseComp``, ``InverseComm``, plus
+``Other`` (data, preconditioning, optimizer) so that the parts add up to the step time.
+Communication is the time the step *waits* for it (launch overhead plus blocking waits), not
+the time the transfer takes: an all-reduce hidden behind computation costs nothing here.
+``GradComm`` is the tail of DDP's bucketed all-reduce: from the last bucket's launch to the end
+of ``backward()``, where DDP waits for all buckets.
+
+On CUDA, span boundaries synchronize the device so that the times are real; that serializes
+kernels with communication a little, which is why the timeline of one step is the place to see
+overlap, not the breakdown's absolute numbers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+CATEGORIES = ("FF&BP", "GradComm", "FactorComp", "FactorComm", "InverseComp", "InverseComm", "Other")
+
+
+class StepTimer:
+    """Accumulates the breakdown of the current step and, when tracing, its events.
+
+    Args:
+        device: The training device (CUDA spans synchronize it).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.sync = device.type == "cuda"
+        self.device = device
+        self.parts: dict[str, float] = defaultdict(float)
+        self.events: list[dict[str, Any]] = []
+        self.tracing = False
+        self.origin = time.perf_counter()
+
+    def now(self) -> float:
+        """Return the current time in seconds (after the device finished its queued work)."""
+        if self.sync:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def begin_step(self, trace: bool = False) -> None:
+        """Start a new step; ``trace`` records per-layer events for :meth:`chrome_events`."""
+        self.parts = defaultdict(float)
+        self.tracing = trace
+        self.events = []
+        self.origin = self.now()
+
+    @contextmanager
+    def span(self, category: str, name: str | None = None, lane: str = "compute") -> Iterator[None]:
+        """Add the time of the ``with`` body to ``category`` (and an event named ``name`` when tracing)."""
+        t0 = self.now()
+        try:
+            yield
+        finally:
+            t1 = self.now()
+            self.parts[category] += t1 - t0
+            if self.tracing and name is not None:
+                self.record(name, lane, t0, t1)
+
+    def add(self, category: str, seconds: float) -> None:
+        """Add ``seconds`` to ``category``."""
+        self.parts[category] += seconds
+
+    def record(self, name: str, lane: str, t0: float, t1: float) -> None:
+        """Record one event from ``t0`` to ``t1`` (``perf_counter`` seconds) when tracing."""
+        if self.tracing:
+            self.events.append({"name": name, "lane": lane, "t0": t0 - self.origin, "t1": t1 - self.origin})
+
+    def on_done(self, handle: Any, name: str, lane: str) -> None:
+        """Record an asynchronous operation from now until ``handle`` completes (when tracing)."""
+        if not self.tracing or not hasattr(handle, "get_future"):
+            return
+        t0 = time.perf_counter()
+        callback: Callable[[Any], None] = lambda _: self.record(name, lane, t0, time.perf_counter())  # noqa: E731
+        handle.get_future().add_done_callback(callback)
+
+    def end_step(self, total: float) -> dict[str, float]:
+        """Close the step; return the breakdown with ``Other`` = ``total`` minus the named parts."""
+        parts = {c: self.parts.get(c, 0.0) for c in CATEGORIES if c != "Other"}
+        parts["Other"] = max(0.0, total - sum(parts.values()))
+        parts["total"] = total
+        return parts
+
+
+def chrome_trace(events_by_rank: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """Return a Chrome trace (Perfetto opens it): one process per rank, one thread per lane."""
+    trace: list[dict[str, Any]] = []
+    lanes = ["forward", "backward", "compute", "factor", "allreduce", "inverse", "broadcast"]
+    for rank, events in enumerate(events_by_rank):
+        trace.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
+        for e in events:
+            if e["lane"] not in lanes:
+                lanes.append(e["lane"])
+        for tid, lane in enumerate(lanes):
+            trace.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": lane}})
+        for e in events:
+            trace.append(
+                {
+                    "ph": "X",
+                    "name": e["name"],
+                    "cat": e["lane"],
+                    "pid": rank,
+                    "tid": lanes.index(e["lane"]),
+                    "ts": e["t0"] * 1e6,
+                    "dur": max(e["t1"] - e["t0"], 1e-7) * 1e6,
+                }
+            )
+    return {"traceEvents": trace, "displayTimeUnit": "ms"}
+
+
+def summarize(steps: list[dict[str, float]], warmup: int) -> dict[str, float]:
+    """Return the mean of each part over ``steps`` after the first ``warmup`` (all steps if too few)."""
+    kept = steps[warmup:] if len(steps) > warmup else steps
+    if not kept:
+        return {}
+    return {k: sum(s[k] for s in kept) / len(kept) for k in kept[0]}

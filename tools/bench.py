@@ -1,0 +1,200 @@
+"""Side-by-side benchmark of D-KFAC, MPD-KFAC, SPD-KFAC (and SGD) on one recipe: the paper's Table III and Fig. 9.
+
+    python tools/bench.py recipes/resnet50_spd.yaml data.image_size=32 --cluster --nodes 2 --rate 1gbit
+    python tools/bench.py recipes/quickstart.yaml --nproc 2 --reps 3
+    python tools/bench.py recipes/resnet50_spd.yaml --ablation table4 --cluster    # +-pipelining, +-LBP (Fig. 13)
+    python tools/bench.py recipes/resnet50_spd.yaml --ablation fig10 --cluster     # fusion policies (Fig. 10)
+
+Each configuration runs ``--steps`` steps; the first ``--warmup`` (which must cover the optimal
+fusion's profiling) are discarded and the median of the rest is the step time. Repetitions are
+interleaved (d, mpd, spd, d, mpd, spd, ...) so that slow drifts of the machine hit every variant
+alike. One performance profile is measured first (or given with ``--profile``) and shared by all
+runs, so plans and placements are the same in every repetition. Timing claims about pipelining
+belong on the emulated cluster (``--cluster``): on plain loopback the workers and the
+communication threads fight over the same cores and overlap looks slower than serial.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kfacflow.timing import CATEGORIES  # noqa: E402
+
+CONFIGS: dict[str, dict[str, list[str]]] = {
+    "variants": {
+        "sgd": ["kfac.variant=sgd"],
+        "D-KFAC": ["kfac.variant=d"],
+        "MPD-KFAC": ["kfac.variant=mpd"],
+        "SPD-KFAC": ["kfac.variant=spd"],
+    },
+    "table4": {
+        "-Pipe-LBP": ["kfac.variant=d"],
+        "+Pipe-LBP": ["kfac.variant=d", "kfac.fusion=optimal"],
+        "-Pipe+LBP": ["kfac.variant=d", "kfac.placement=lbp"],
+        "+Pipe+LBP": ["kfac.variant=spd"],
+    },
+    "fig10": {
+        "Naive": ["kfac.variant=spd", "kfac.fusion=naive"],
+        "LW w/o TF": ["kfac.variant=spd", "kfac.fusion=layerwise"],
+        "LW w/ TTF": ["kfac.variant=spd", "kfac.fusion=threshold"],
+        "SP w/ OTF": ["kfac.variant=spd", "kfac.fusion=optimal"],
+    },
+}
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("recipe")
+    p.add_argument("overrides", nargs="*", help="recipe overrides applied to every run")
+    p.add_argument("--ablation", choices=sorted(CONFIGS), default="variants")
+    p.add_argument("--only", default="", help="comma-separated subset of the configurations")
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=4, help="steps discarded (>= kfac.profile_steps + 2)")
+    p.add_argument("--nproc", type=int, default=2, help="workers (per node with --cluster)")
+    p.add_argument("--cluster", action="store_true", help="run on the emulated cluster (tools/cluster.py; root)")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--rate", default="1gbit")
+    p.add_argument("--delay", default="0ms")
+    p.add_argument("--profile", default=None, help="performance profile to share (default: measure one first)")
+    p.add_argument("--out", default="bench", help="folder for runs, bench.json and bench.png")
+    return p.parse_intermixed_args(argv)
+
+
+def run_one(args: argparse.Namespace, extra: list[str], out_dir: Path, cluster: Any) -> int:
+    argv = ["run.py", args.recipe, *args.overrides, *extra, f"out_dir={out_dir}", "name=run", "train.progress=false"]
+    if cluster is not None:
+        return int(cluster.run(argv, nproc_per_node=args.nproc))
+    argv.append(f"launch.nproc={args.nproc}")
+    return subprocess.run([sys.executable, *argv], cwd=ROOT).returncode
+
+
+def measure_profile(args: argparse.Namespace, out: Path, cluster: Any) -> Path:
+    path = out / "profile.yaml"
+    tool = ["tools/fit_perf_models.py", "--dims", "128,256,512,1024,1536,2048", "--out", str(path)]
+    rc = (
+        cluster.run(tool, nproc_per_node=args.nproc)
+        if cluster
+        else subprocess.run([sys.executable, *tool, "--nproc", str(args.nproc)], cwd=ROOT).returncode
+    )
+    if rc != 0:
+        raise SystemExit(f"error: measuring the performance profile failed (exit {rc})")
+    return path
+
+
+def collect(run_root: Path, warmup: int) -> dict[str, Any]:
+    (run_dir,) = [p for p in (run_root / "run").iterdir() if p.is_dir()]
+    steps = [json.loads(line) for line in (run_dir / "timings.jsonl").read_text().splitlines()]
+    kept = steps[warmup:]
+    return {"run_dir": str(run_dir), "steps": kept}
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    steps = [s for r in runs for s in r["steps"]]
+    return {
+        "median_step_s": statistics.median(s["total"] for s in steps),
+        "breakdown_s": {c: statistics.mean(s[c] for s in steps) for c in CATEGORIES},
+        "steps_measured": len(steps),
+        "runs": [r["run_dir"] for r in runs],
+    }
+
+
+def table(results: dict[str, dict[str, Any]], ablation: str) -> str:
+    names = list(results)
+    base = {"variants": ("D-KFAC", "MPD-KFAC"), "table4": ("-Pipe-LBP", None), "fig10": ("Naive", None)}[ablation]
+    lines = [f"{'config':<12} {'s/step':>8} " + " ".join(f"{c:>11}" for c in CATEGORIES)]
+    for name in names:
+        r = results[name]
+        parts = " ".join(f"{r['breakdown_s'][c]:>11.3f}" for c in CATEGORIES)
+        lines.append(f"{name:<12} {r['median_step_s']:>8.3f} {parts}")
+    lines.append("")
+    best = "SPD-KFAC" if ablation == "variants" else names[-1]
+    for ref in base:
+        if ref and ref in results and best in results and ref != best:
+            ratio = results[best]["median_step_s"] / results[ref]["median_step_s"]
+            lines.append(f"{best} / {ref}: {ratio:.3f} of the time (speedup {1 / ratio:.2f}x)")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    fig, ax = plt.subplots(figsize=(1.6 * len(names) + 2, 4))
+    bottom = [0.0] * len(names)
+    for i, cat in enumerate(CATEGORIES):
+        vals = [results[n]["breakdown_s"][cat] for n in names]
+        ax.bar(names, vals, bottom=bottom, label=cat, color=f"C{i}")
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax.set_ylabel("seconds per step (mean after warm-up)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, bbox_to_anchor=(1.02, 1), loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    configs = CONFIGS[args.ablation]
+    if args.only:
+        configs = {k: v for k, v in configs.items() if k in args.only.split(",")}
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    common = [f"train.steps={args.steps}", f"train.timing_warmup={args.warmup}", "train.checkpoint_every=0"]
+    cluster = None
+    if args.cluster:
+        sys.path.insert(0, str(ROOT / "tools"))
+        from cluster import Cluster
+
+        cluster = Cluster(nodes=args.nodes, rate=args.rate, delay=args.delay).__enter__()
+    try:
+        profile = Path(args.profile).resolve() if args.profile else measure_profile(args, out, cluster)
+        common.append(f"kfac.profile={profile}")
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
+        for rep in range(args.reps):
+            for name, extra in configs.items():
+                run_root = out / "runs" / f"{name.replace('/', '_').replace(' ', '_')}-{rep}"
+                print(f"== {name} (repetition {rep + 1}/{args.reps})", flush=True)
+                rc = run_one(args, [*common, *extra], run_root, cluster)
+                if rc != 0:
+                    print(f"error: {name} failed with exit code {rc}", file=sys.stderr)
+                    return rc
+                runs[name].append(collect(run_root, args.warmup))
+    finally:
+        if cluster is not None:
+            cluster.__exit__(None, None, None)
+    results = {name: summarize(r) for name, r in runs.items()}
+    where = f"{args.nodes} nodes x {args.nproc} at {args.rate}" if args.cluster else f"{args.nproc} local workers"
+    meta = {
+        "recipe": args.recipe,
+        "overrides": args.overrides,
+        "where": where,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "reps": args.reps,
+        "ablation": args.ablation,
+    }
+    (out / "bench.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    text = table(results, args.ablation)
+    (out / "bench.txt").write_text(text + "\n")
+    plot(results, out / "bench.png", f"{Path(args.recipe).stem} {' '.join(args.overrides)} — {where}")
+    print(text)
+    print(f"\nwrote {out / 'bench.json'}, {out / 'bench.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
