@@ -1,0 +1,80 @@
+"""The step breakdown, timings.jsonl and the timeline of a traced step."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import last_line, run_cli
+
+from kfacflow.timing import CATEGORIES, StepTimer, chrome_trace, summarize
+
+
+def test_step_timer_spans_add_up() -> None:
+    timer = StepTimer(torch.device("cpu"))
+    timer.begin_step(trace=True)
+    with timer.span("FactorComp", "l1/A", "factor"):
+        time.sleep(0.02)
+    with timer.span("FactorComp"):
+        time.sleep(0.01)
+    timer.add("GradComm", 0.005)
+    parts = timer.end_step(0.1)
+    assert parts["FactorComp"] == pytest.approx(0.03, abs=0.01)
+    assert parts["GradComm"] == 0.005
+    assert parts["Other"] == pytest.approx(0.1 - parts["FactorComp"] - 0.005)
+    assert set(parts) == {*CATEGORIES, "total"}
+    assert [e["name"] for e in timer.events] == ["l1/A"]  # unnamed spans add time but no event
+    untraced = StepTimer(torch.device("cpu"))
+    untraced.begin_step(trace=False)
+    with untraced.span("FactorComp", "x", "factor"):
+        pass
+    assert untraced.events == []
+
+
+def test_chrome_trace_and_summary() -> None:
+    trace = chrome_trace([[{"name": "a", "lane": "allreduce", "t0": 0.5, "t1": 0.75}], []])
+    (ev,) = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert (ev["pid"], ev["ts"], ev["dur"], ev["cat"]) == (0, 5e5, 2.5e5, "allreduce")
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert names == {"rank 0", "rank 1"}
+    steps = [{"total": 9.0}, {"total": 1.0}, {"total": 3.0}]
+    assert summarize(steps, 1) == {"total": 2.0}
+    assert summarize(steps[:1], 5) == {"total": 9.0}
+
+
+def test_breakdown_and_timeline_of_a_two_worker_run(tmp_path: Path) -> None:
+    proc = run_cli(
+        "recipes/quickstart.yaml",
+        "train.steps=6",
+        "train.timeline=4",
+        "train.log_every=4",
+        "kfac.profile_steps=1",
+        "train.progress=false",
+        f"out_dir={tmp_path}",
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = Path(last_line(proc))
+    summary = json.loads((run / "summary.json").read_text())
+    mean = summary["breakdown_mean_s"]
+    assert set(mean) == {*CATEGORIES, "total"}
+    assert all(v >= 0 for v in mean.values())
+    assert sum(mean[c] for c in CATEGORIES) == pytest.approx(mean["total"], rel=1e-6)
+    assert mean["FactorComp"] > 0 and mean["InverseComp"] > 0 and mean["FF&BP"] > 0
+    lines = [json.loads(x) for x in (run / "timings.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3, 4, 5, 6]
+    trace = json.loads((run / "timeline.json").read_text())
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in events} == {0, 1}
+    lanes = {e["cat"] for e in events}
+    assert {"forward", "factor", "allreduce", "inverse"} <= lanes
+    assert (run / "timeline.png").stat().st_size > 10_000
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run), size_guidance={"images": 0})
+    acc.Reload()
+    assert "timeline" in acc.Tags()["images"]
+    assert {"breakdown/FactorComm", "breakdown/InverseComp", "time/step_s"} <= set(acc.Tags()["scalars"])
