@@ -112,7 +112,7 @@ class LaunchConfig:
     nproc: int = 1
     """Local workers; 1 runs in this process. Ignored under torchrun/horovodrun."""
     threads: int = 0
-    """Intra-op threads per worker; 0 divides the machine's cores among the local workers."""
+    """Intra-op threads per worker; 0 takes OMP_NUM_THREADS if set, else divides the cores among local workers."""
 
 
 @dataclass

@@ -63,7 +63,8 @@ def _run(config_yaml: str, argv: list[str], announce: bool, rank: int) -> str | 
     assert isinstance(cfg, DictConfig)
     registry.load_all()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    torch.set_num_threads(cfg.launch.threads or max(1, (os.cpu_count() or 1) // local))
+    env_threads = int(os.environ.get("OMP_NUM_THREADS", 0) or 0)  # torchrun and cluster tools set it
+    torch.set_num_threads(cfg.launch.threads or env_threads or max(1, (os.cpu_count() or 1) // local))
     backend: Backend = registry.BACKENDS.get(cfg.dist.backend)(cfg.dist)
     try:
         from kfacflow.trainer import Trainer
