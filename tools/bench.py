@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import subprocess
 import sys
@@ -146,8 +147,13 @@ def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def _terminate(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the finally that removes the cluster
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    signal.signal(signal.SIGTERM, _terminate)
     configs = CONFIGS[args.ablation]
     if args.only:
         configs = {k: v for k, v in configs.items() if k in args.only.split(",")}
