@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(to_yaml(cfg), end="")
             return 0
-        from kfacflow.data import check_data
+        from kfacflow.data import build_datasets, check_data, check_shard
         from kfacflow.launch import self_launch, under_launcher
         from kfacflow.worker import worker
 
@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         if under_launcher() or cfg.launch.nproc == 1:
             worker(to_yaml(cfg), command, announce=True)
         else:
+            train_set, _, _ = build_datasets(cfg.data)  # before starting workers it could not feed
+            check_shard(len(train_set), cfg.launch.nproc, cfg.data.batch_size)  # type: ignore[arg-type]
             results = self_launch(cfg.launch.nproc, worker, (to_yaml(cfg), command, False))
             print(results[0], flush=True)
         return 0

@@ -72,6 +72,8 @@ class TrainConfig:
     """Newest checkpoints kept on disk."""
     progress: bool = True
     """Show a progress bar on rank 0."""
+    max_nonfinite: int = 5
+    """Steps in a row with a non-finite loss or gradient (each skipped on every rank) before training stops."""
     timing_warmup: int = 2
     """First steps left out of the mean time breakdown and the median step time in summary.json."""
     timeline: int = 0
@@ -298,6 +300,7 @@ def check(cfg: DictConfig) -> None:
     _positive(cfg.data.batch_size, "data.batch_size")
     _positive(cfg.train.log_every, "train.log_every")
     _positive(cfg.train.eval_every, "train.eval_every")
+    _positive(cfg.train.max_nonfinite, "train.max_nonfinite")
     for key in (
         "data.eval_batch_size",
         "data.workers",
@@ -339,11 +342,29 @@ def check(cfg: DictConfig) -> None:
             raise UserError(
                 f"resume: {cfg.resume!r} has no checkpoint in {CHECKPOINTS}/; start a new run without resume=."
             )
+    if cfg.dist.backend == "horovod":
+        _check_horovod(cfg.launch.nproc)
     if cfg.dist.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             raise UserError("dist.device=cuda but no CUDA device is visible; use dist.device=auto or cpu.")
+
+
+def _check_horovod(nproc: int) -> None:
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("horovod") is None:
+        raise UserError(
+            "dist.backend=horovod: Horovod is not installed; install it with `bash tools/install_horovod.sh`."
+        )
+    launched = any(v in os.environ for v in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"))
+    if nproc > 1 and not launched:
+        raise UserError(
+            f"dist.backend=horovod starts no workers itself: run `horovodrun -np {nproc} -H localhost:{nproc} "
+            "--gloo python run.py RECIPE dist.backend=horovod` (launch.nproc is then ignored)."
+        )
 
 
 def to_yaml(cfg: DictConfig) -> str:

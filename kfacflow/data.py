@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,6 +59,20 @@ def check_data(cfg: DataConfig) -> None:
     check = _CHECKS.get(cfg.name)
     if check is not None:
         check(cfg)
+
+
+def check_shard(samples: int, world: int, batch: int) -> None:
+    """Check that each of ``world`` workers gets at least one full batch of the ``samples``.
+
+    Raises:
+        UserError: Naming ``data.batch_size`` and the worker count to change.
+    """
+    per_rank = math.ceil(samples / world)
+    if per_rank < batch:
+        raise UserError(
+            f"data.batch_size={batch} is more than the {per_rank} training samples each of {world} workers "
+            "gets; lower data.batch_size or the number of workers (launch.nproc)."
+        )
 
 
 def build_datasets(cfg: DataConfig) -> tuple[Dataset, Dataset, DataInfo]:

@@ -12,6 +12,12 @@ class UserError(Exception):
     exit_code = 2
 
 
+class TrainingError(UserError):
+    """Training cannot go on (e.g. non-finite losses step after step); printed as one line, exit code 3."""
+
+    exit_code = 3
+
+
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """Return a ``did you mean 'x'?`` hint for ``name``, or an empty string if nothing is close.
 

@@ -12,10 +12,15 @@ from kfacflow.errors import UserError
 
 logger = logging.getLogger(__name__)
 
+SHUTDOWN_TIMEOUT_S = 120
+"""Seconds a signalled worker gets to finish its step and write a checkpoint before it is killed."""
+
 
 def under_launcher() -> bool:
     """Return whether an external launcher (torchrun, horovodrun, mpirun) started this process."""
-    return ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or "HOROVOD_RANK" in os.environ
+    return ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or any(
+        var in os.environ for var in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+    )
 
 
 def self_launch(nproc: int, entry: Any, args: tuple[Any, ...]) -> dict[int, Any]:
@@ -32,6 +37,7 @@ def self_launch(nproc: int, entry: Any, args: tuple[Any, ...]) -> dict[int, Any]
     Raises:
         SystemExit: With the first failed worker's exit code, after one line naming it.
     """
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -49,10 +55,14 @@ def self_launch(nproc: int, entry: Any, args: tuple[Any, ...]) -> dict[int, Any]
         max_restarts=0,
         monitor_interval=0.5,
         start_method="spawn",
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
     try:
         result: dict[int, Any] = elastic_launch(config, entry)(*args)
         return result
+    except SignalException as err:
+        # The agent forwarded the signal; the workers checkpoint, say how to resume, and exit.
+        raise SystemExit(128 + int(err.sigval)) from None
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1

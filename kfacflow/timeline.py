@@ -43,6 +43,43 @@ def write_timeline(events_by_rank: list[list[dict[str, Any]]], run_dir: Path, ti
     return fig
 
 
+def layer_profile(
+    events: list[dict[str, Any]], layers: list[Any], parts: dict[str, float], world_size: int, batch: int
+) -> dict[str, Any]:
+    """Per-layer times of one traced step on rank 0, for ``tools/simulate.py``.
+
+    Backward time per layer is not observable through hooks; the step's backward time is split
+    over the layers in proportion to their forward times (``t_backward`` is that estimate).
+    """
+    span = {e["name"]: e["t1"] - e["t0"] for e in events}
+    forward = {layer.name: span.get(layer.name, 0.0) for layer in layers}
+    total_fwd = sum(forward.values()) or 1.0
+    backward = span.get("backward", 0.0)
+    rows = []
+    for layer in layers:
+        params = sum(p.numel() for p in layer.module.parameters())
+        rows.append(
+            {
+                "name": layer.name,
+                "a_dim": layer.a_dim,
+                "g_dim": layer.g_dim,
+                "params": params,
+                "t_forward": forward[layer.name],
+                "t_backward": backward * forward[layer.name] / total_fwd,
+                "t_factor_a": span.get(f"{layer.name}/A", 0.0),
+                "t_factor_g": span.get(f"{layer.name}/G", 0.0),
+            }
+        )
+    return {
+        "world_size": world_size,
+        "batch_size": batch,
+        "t_forward_total": span.get("forward", 0.0),
+        "t_backward_total": backward,
+        "breakdown": parts,
+        "layers": rows,
+    }
+
+
 def _lane(event: dict[str, Any]) -> str:
     lane = str(event["lane"])
     if lane == "compute":

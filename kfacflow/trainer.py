@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import random
+import signal
 import statistics
 import time
 from pathlib import Path
@@ -19,9 +20,9 @@ from torch import Tensor
 
 from kfacflow import rundir
 from kfacflow.config import to_yaml
-from kfacflow.data import build_datasets
+from kfacflow.data import build_datasets, check_shard
 from kfacflow.dist.base import Backend
-from kfacflow.errors import UserError
+from kfacflow.errors import TrainingError
 from kfacflow.kfac.preconditioner import KFACPreconditioner
 from kfacflow.kfac.variants import resolve
 from kfacflow.loader import eval_loader, train_loader
@@ -76,12 +77,7 @@ class Trainer:
         self.dtype = torch.float64 if cfg.train.dtype == "float64" else torch.float32
         self.device = backend.device
         train_set, val_set, info = build_datasets(cfg.data)
-        per_rank = math.ceil(len(train_set) / self.world)  # type: ignore[arg-type]
-        if per_rank < cfg.data.batch_size:
-            raise UserError(
-                f"data.batch_size={cfg.data.batch_size} is more than the {per_rank} training samples "
-                f"each of {self.world} workers gets; lower data.batch_size or the number of workers."
-            )
+        check_shard(len(train_set), self.world, cfg.data.batch_size)  # type: ignore[arg-type]
         seed_all(cfg.train.seed)  # identical initial weights on every rank
         model = build_model(cfg.model.name, info.num_classes, info.channels)
         self.model = model.to(self.device, self.dtype)
@@ -94,7 +90,7 @@ class Trainer:
             profile = self._profile() if self.stages.fusion == "optimal" or self.stages.placement == "lbp" else None
             self.kfac = KFACPreconditioner(self.model, cfg.kfac, self.stages, backend, profile, self.timer)
         self.net = backend.wrap_model(self.model)
-        self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
+        self.optimizer = backend.wrap_optimizer(build_optimizer(self.model.parameters(), cfg.optim), self.model)
         eval_batch = cfg.data.eval_batch_size or cfg.data.batch_size
         self.loader, self.sampler = train_loader(
             train_set, cfg.data.batch_size, self.rank, self.world, cfg.train.seed, cfg.data.workers
@@ -109,6 +105,11 @@ class Trainer:
         self.step_times: list[float] = []
         seed_all(cfg.train.seed + 1 + self.rank)  # per-rank streams for dropout and augmentation
         self.writer: Any = None
+        self.stop_requested = 0
+        """Signal number a handler set: stop after the current step (every rank agrees on when)."""
+        self.stopped_by = 0
+        self.nonfinite_in_row = 0
+        self.skipped_steps = 0
 
     def _profile(self) -> Profile:
         """Load the recipe's profile (or the resumed run's), else calibrate now and save it in the run folder."""
@@ -201,8 +202,10 @@ class Trainer:
                     sums.zero_()
                 if self.cfg.train.checkpoint_every and self.step % self.cfg.train.checkpoint_every == 0:
                     self.checkpoint()
-                if self.step >= self.total or self.step % self.steps_per_epoch == 0:
+                if self.step >= self.total or self.step % self.steps_per_epoch == 0 or self.stopped_by:
                     break
+            if self.stopped_by:
+                break
             done_epoch = self.step % self.steps_per_epoch == 0
             last = self.step >= self.total
             if last or (done_epoch and (epoch + 1) % self.cfg.train.eval_every == 0):
@@ -233,6 +236,11 @@ class Trainer:
         mid = timer.now()
         loss.backward()
         end = timer.now()
+        with timer.span("GradComm"):
+            self.backend.finish_gradients(self.optimizer)
+        value = float(loss.detach())
+        if self._agree_to_skip(value):
+            return value, 0.0
         grad_comm = end - self.backend.last_grad_launch if self.backend.last_grad_launch > mid else 0.0
         timer.add("GradComm", grad_comm)
         hooks = timer.parts["FactorComp"] + timer.parts["FactorComm"]  # factor work done inside forward/backward
@@ -242,26 +250,60 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         if self.kfac:
             self.kfac.step(lr)
-        self.optimizer.step()
+        self.backend.optimizer_step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
         correct = float((out.detach().argmax(1) == y).sum())
-        value = float(loss.detach())
         parts = timer.end_step(timer.now() - tic)
         self.timings.append(parts)
         self.step_times.append(parts["total"])
         if timer.tracing:
-            self._write_timeline()
+            self._write_timeline(parts)
         return value, correct
 
-    def _write_timeline(self) -> None:
-        """Gather the traced step's events from every rank; rank 0 writes the trace and its picture."""
+    def _agree_to_skip(self, loss: float) -> bool:
+        """Agree with every rank whether to skip this step (non-finite loss or gradient) and whether to stop.
+
+        One small all-reduce a step: a skipped step updates nothing on any rank, so ranks never
+        diverge. Too many skips in a row end training with a clear message.
+        """
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        bad = not math.isfinite(loss) or not bool(torch.isfinite(torch.nn.utils.get_total_norm(grads)))
+        flags = self.backend.allreduce_sum(torch.tensor([float(bad), float(self.stop_requested)]))
+        if flags[1] > 0:
+            self.stopped_by = self.stop_requested or signal.SIGTERM
+        if flags[0] == 0:
+            self.nonfinite_in_row = 0
+            return False
+        self.nonfinite_in_row += 1
+        self.skipped_steps += 1
+        if self.kfac:
+            self.kfac.skip_step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+        logger.warning(
+            "step %d skipped on every rank: non-finite loss or gradient on %d rank(s)", self.step, int(flags[0])
+        )
+        if self.nonfinite_in_row >= self.cfg.train.max_nonfinite:
+            raise TrainingError(
+                f"the loss or gradients were non-finite in {self.nonfinite_in_row} steps in a row (up to step "
+                f"{self.step}); lower optim.lr, raise kfac.damping, or check the data "
+                "(train.max_nonfinite sets the limit)."
+            )
+        return True
+
+    def _write_timeline(self, parts: dict[str, float]) -> None:
+        """Gather the traced step's events from every rank; rank 0 writes the trace, its picture, the layer profile."""
         events = self.backend.gather_objects(self.timer.events)
         if self.rank != 0:
             return
-        from kfacflow.timeline import write_timeline
+        from kfacflow.timeline import layer_profile, write_timeline
 
+        layers = self.kfac.layers if self.kfac else []
+        profile = layer_profile(events[0], layers, parts, self.world, self.cfg.data.batch_size)
+        rundir.write_atomic(self.run_dir / "layers.json", json.dumps(profile, indent=1).encode())
         figure = write_timeline(events, self.run_dir, f"{self.cfg.name}: step {self.step} ({self.cfg.kfac.variant})")
         if self.writer is not None and figure is not None:
             self.writer.add_figure("timeline", figure, self.step)
@@ -313,7 +355,7 @@ class Trainer:
 
     def _summary(self, train_loss: float, seconds: float) -> dict[str, Any]:
         warm = self.cfg.train.timing_warmup
-        last = self.history[-1]
+        last = self.history[-1] if self.history else {"val_loss": None, "val_acc": None}
         return {
             "train_loss": train_loss,
             "val_loss": last["val_loss"],
@@ -327,4 +369,6 @@ class Trainer:
             "step_time_median_s": statistics.median(self.step_times[warm:] or self.step_times),
             "breakdown_mean_s": summarize(self.timings, warm),
             "history": self.history,
+            "skipped_steps": self.skipped_steps,
+            "stopped_by": signal.Signals(self.stopped_by).name if self.stopped_by else None,
         }

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -17,6 +21,9 @@ from kfacflow.dist.base import Backend
 from kfacflow.errors import UserError
 
 logger = logging.getLogger(__name__)
+
+RANK_VARS = ("RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+"""Where torchrun, horovodrun and MPI put a process's rank (read before any backend starts)."""
 
 
 def setup_logging(rank: int) -> None:
@@ -43,19 +50,42 @@ def worker(config_yaml: str, argv: list[str], announce: bool) -> str | None:
     Raises:
         SystemExit: Code 2 after one message line when the user can fix the problem.
     """
-    rank = int(os.environ.get("RANK", os.environ.get("HOROVOD_RANK", 0)))
+    rank = int(next((os.environ[v] for v in RANK_VARS if v in os.environ), 0))
     setup_logging(rank)
     try:
         return _run(config_yaml, argv, announce, rank)
     except UserError as err:
         if rank == 0:
             print(f"error: {err}", file=sys.stderr, flush=True)
-        raise SystemExit(UserError.exit_code) from None
+        raise SystemExit(err.exit_code) from None
     except Exception:
         print(f"worker {rank} failed:", file=sys.stderr, flush=True)
         traceback.print_exc()
         sys.stderr.flush()
         raise
+
+
+@contextmanager
+def stop_on_signals(trainer: Any) -> Iterator[None]:
+    """While training, SIGTERM and SIGINT ask the trainer to checkpoint and stop after the current step.
+
+    In a process of its own, a second SIGINT interrupts at once (the last checkpoint stays the
+    newest). Under a launcher the terminal's SIGINT and the one the launcher forwards arrive
+    together, so repeats are ignored there; the launcher kills a worker that takes too long.
+    """
+    own_process = "TORCHELASTIC_RUN_ID" not in os.environ
+
+    def ask(signum: int, frame: object) -> None:
+        if signum == signal.SIGINT and trainer.stop_requested and own_process:
+            raise KeyboardInterrupt
+        trainer.stop_requested = trainer.stop_requested or signum
+
+    old = {sig: signal.signal(sig, ask) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def _run(config_yaml: str, argv: list[str], announce: bool, rank: int) -> str | None:
@@ -76,13 +106,26 @@ def _run(config_yaml: str, argv: list[str], announce: bool, rank: int) -> str | 
             saved.resume = None
             rundir.write_metadata(run_dir, to_yaml(saved), argv)
         run_dir = Path(backend.broadcast_object(str(run_dir) if run_dir else None))
-        summary = Trainer(cfg, backend, run_dir).fit()
+        trainer = Trainer(cfg, backend, run_dir)
+        with stop_on_signals(trainer):
+            summary = trainer.fit()
         backend.barrier()
     finally:
         backend.close()
     if backend.rank != 0:
+        if trainer.stopped_by:
+            raise SystemExit(128 + trainer.stopped_by)
         return None
     rundir.write_summary(run_dir, summary)
+    if trainer.stopped_by:
+        name = signal.Signals(trainer.stopped_by).name
+        print(
+            f"stopped by {name} after step {trainer.step}; checkpoint written. Continue with: "
+            f"python run.py resume={run_dir}",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(128 + trainer.stopped_by)
     logger.info(
         "val_acc %.4f val_loss %.4f after %d steps in %.1f s",
         summary["val_acc"],

@@ -70,6 +70,10 @@ def assert_user_error(rc: int | None, exc: BaseException | None, err: str, must:
 MISTAKES = [
     pytest.param([QUICK, "kfac.dampin=0.1"], ("kfac.dampin", "damping"), id="unknown-key"),
     pytest.param([QUICK, "kfc.damping=1"], ("kfc", "kfac"), id="unknown-section"),
+    pytest.param([QUICK, "launch.nproc=1000"], ("data.batch_size", "launch.nproc"), id="more-workers-than-samples"),
+    pytest.param([QUICK, "kfac.profile={tmp}/nowhere.yaml"], ("kfac.profile", "does not exist"), id="no-profile"),
+    pytest.param([QUICK, "kfac.profile_steps=0"], ("kfac.profile_steps", "> 0"), id="profile-steps-0"),
+    pytest.param([QUICK, "kfac.fusion_threshold_mb=0"], ("kfac.fusion_threshold_mb", "> 0"), id="threshold-0"),
     pytest.param([QUICK, "a.b.c=1"], ("'a'",), id="unknown-section-no-match"),
     pytest.param([QUICK, "kfac.damping=abc"], ("kfac.damping", "abc", "Float"), id="type-float"),
     pytest.param([QUICK, "train.epochs=many"], ("train.epochs", "many", "Integer"), id="type-int"),
@@ -144,7 +148,7 @@ def test_user_mistake_exits_2_with_one_line(
     assert not (recipes_dir / "runs").exists(), "a run folder was created for a rejected command"
 
 
-# Values no check rejects: each one reaches training and dies with a traceback instead of exit 2.
+# Values rejected by the checks, or (the last rows) only once the run builds the model: exit 2 either way.
 UNCHECKED = [
     pytest.param(["train.log_every=0"], "train.log_every", id="log-every-0"),
     pytest.param(
@@ -156,6 +160,7 @@ UNCHECKED = [
     pytest.param(["data.eval_batch_size=-1"], "data.eval_batch_size", id="eval-batch-negative"),
     pytest.param(["data.workers=-1"], "data.workers", id="workers-negative"),
     pytest.param(["optim.lr=inf"], "optim.lr", id="lr-inf"),
+    pytest.param(["kfac.skip=[*]"], "kfac.skip", id="no-layer-to-precondition"),
 ]
 
 
@@ -188,7 +193,7 @@ def test_mistake_end_to_end(override: str, must: str, tmp_path: Path) -> None:
 
 
 def test_error_found_by_workers_exits_2_without_traceback(tmp_path: Path) -> None:
-    # 1437 digits over 2 workers is 719 each: only the workers find out that a batch of 5000 cannot be filled.
+    # 1437 digits over 2 workers is 719 each: a batch of 5000 cannot be filled (found before workers start).
     try:
         proc = run_cli(
             QUICK,
@@ -320,3 +325,14 @@ def test_explicit_stage_wins_in_summary(tmp_path: Path) -> None:
     }
     assert summary["variant"] == "spd" and summary["steps"] == 2
     assert Path(last_line(proc)).parent == tmp_path / "quickstart"
+
+
+def test_horovod_missing_names_the_install_script(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "horovod" else real(name, *a))
+    rc, exc = call_main([QUICK, *SAFE, "dist.backend=horovod"])
+    assert_user_error(rc, exc, capsys.readouterr().err, ("dist.backend=horovod", "tools/install_horovod.sh"))

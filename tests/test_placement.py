@@ -62,3 +62,14 @@ def test_single_rank_and_local() -> None:
 def test_lbp_without_models_is_a_user_error() -> None:
     with pytest.raises(UserError, match="kfac.profile"):
         lbp(DIMS, SIZES, 2, None)
+
+
+def test_schedule_sends_communicated_inverses_first_by_estimated_finish() -> None:
+    from kfacflow.kfac.placement import schedule
+
+    # Fig. 5c placement: T1 (10) on r0, T3 (8) and T4 (9) on r1, T2 (7) everywhere.
+    owners = [0, EVERY_RANK, 1, 1]
+    order = schedule(DIMS, owners, 2, profile(0.4))
+    # r1 inverts 9 (done at 0.729 s) before 8 (1.241 s); r0 finishes 10 at 1.0 s; the NCT comes last.
+    assert order == [3, 0, 2, 1]
+    assert schedule(DIMS, [EVERY_RANK] * 4, 2, None) == [0, 1, 2, 3]

@@ -93,7 +93,7 @@ def measure_profile(args: argparse.Namespace, out: Path, cluster: Any) -> Path:
 
 
 def collect(run_root: Path, warmup: int) -> dict[str, Any]:
-    (run_dir,) = [p for p in (run_root / "run").iterdir() if p.is_dir()]
+    run_dir = max((p for p in (run_root / "run").iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)
     steps = [json.loads(line) for line in (run_dir / "timings.jsonl").read_text().splitlines()]
     kept = steps[warmup:]
     return {"run_dir": str(run_dir), "steps": kept}

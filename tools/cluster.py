@@ -151,7 +151,7 @@ class Cluster:
             etc = [p.name for p in ETC_NETNS.glob(f"{self.prefix}*")] if leftovers else self.names
             for name in (n for n in etc if pattern.fullmatch(n)):
                 shutil.rmtree(ETC_NETNS / name, ignore_errors=True)
-            if ETC_NETNS.is_dir() and not any(ETC_NETNS.iterdir()):
+            with contextlib.suppress(OSError):  # not empty, or already gone (ip netns del may remove it)
                 ETC_NETNS.rmdir()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)

@@ -50,6 +50,17 @@ class Backend(ABC):
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """Return ``model`` set up so that ``backward()`` leaves gradients averaged over ranks."""
 
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
+        """Return the optimizer to train with (engines that average gradients in the optimizer wrap it)."""
+        return optimizer
+
+    def finish_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Block until this step's gradients are averaged over ranks (before K-FAC reads them)."""
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Apply the (preconditioned) gradients."""
+        optimizer.step()
+
     @abstractmethod
     def allreduce_sum(self, tensor: Tensor) -> Tensor:
         """Return the sum of ``tensor`` over ranks (blocking; metrics)."""

@@ -80,9 +80,9 @@ def cholesky_inverse(factor: Tensor, damping: float) -> Inverse:
         chol, info = torch.linalg.cholesky_ex(_damped(factor, damping * boost))
         if int(info) == 0:
             if boost != 1:
-                _warn_once(f"a factor needed {boost}x damping to be positive definite")
+                warn_once(f"a factor needed {boost}x damping to be positive definite")
             return Inverse("dense", (torch.cholesky_inverse(chol),))
-    _warn_once("a factor stayed indefinite under Cholesky; using its eigendecomposition")
+    warn_once("a factor stayed indefinite under Cholesky; using its eigendecomposition")
     return Inverse("dense", (eigen_inverse(factor, damping).dense(),))
 
 
@@ -90,7 +90,8 @@ RETRY_BOOSTS = (1, 10, 100)
 _warned: set[str] = set()
 
 
-def _warn_once(message: str) -> None:
+def warn_once(message: str) -> None:
+    """Log ``message`` as a warning the first time this process sees it."""
     if message not in _warned:
         _warned.add(message)
         logger.warning("%s (logged once)", message)

@@ -61,6 +61,24 @@ def lbp(dims: list[int], sizes: list[int], world_size: int, profile: Profile | N
     return owners
 
 
+def schedule(dims: list[int], owners: list[int], world_size: int, profile: Profile | None) -> list[int]:
+    """Return the order in which every rank walks the factors when inverting (the same on all ranks).
+
+    Communicated tensors come first, each owner taking its own largest first, ordered by
+    their estimated finish time; then the non-communicated ones. So broadcasts start as early
+    as possible and overlap the inversions that follow, and every rank posts its broadcasts in
+    the same order (collectives on a group run in the order they are posted).
+    """
+    cost = profile.inverse if profile is not None else (lambda d: float(d) ** 3)
+    busy = [0.0] * world_size
+    finish: dict[int, float] = {}
+    for i in sorted((i for i, o in enumerate(owners) if o != EVERY_RANK), key=lambda i: (-dims[i], i)):
+        busy[owners[i]] += cost(dims[i])
+        finish[i] = busy[owners[i]]
+    cts = sorted(finish, key=lambda i: (finish[i], owners[i], i))
+    return cts + [i for i, o in enumerate(owners) if o == EVERY_RANK]
+
+
 PLACEMENTS.add("local", local, "every rank inverts every factor; no inverse traffic (D-KFAC)")
 PLACEMENTS.add("round_robin", round_robin, "factor i inverted by rank i mod P, every result broadcast (MPD-KFAC)")
 PLACEMENTS.add("lbp", lbp, "Algorithm 1: largest first to the least-loaded rank; NCT where inverting beats sending")

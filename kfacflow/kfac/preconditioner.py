@@ -14,9 +14,9 @@ from kfacflow.dist.base import Backend, Handle
 from kfacflow.errors import UserError
 from kfacflow.kfac.factors import pack, unpack
 from kfacflow.kfac.fusion import CommOptions
-from kfacflow.kfac.inverse import KINDS, Inverse
+from kfacflow.kfac.inverse import KINDS, Inverse, warn_once
 from kfacflow.kfac.layers import KFACLayer, find_layers
-from kfacflow.kfac.placement import EVERY_RANK
+from kfacflow.kfac.placement import EVERY_RANK, schedule
 from kfacflow.kfac.variants import Stages
 from kfacflow.perf import Profile
 from kfacflow.registry import COMMUNICATORS, FACTORS, INVERSES, PLACEMENTS, PRECONDITIONERS
@@ -77,6 +77,7 @@ class KFACPreconditioner:
         self.dims = [d for layer in self.layers for d in (layer.a_dim, layer.g_dim)]
         sizes = [Inverse.flat_size(self.inverse_kind, d) for d in self.dims]
         self.owners: list[int] = PLACEMENTS.get(stages.placement)(self.dims, sizes, backend.world_size, profile)
+        self.order = schedule(self.dims, self.owners, backend.world_size, profile)
         self.steps = 0
         self.factors: dict[str, Tensor] = {}
         self.inverses: dict[str, Inverse] = {}
@@ -165,6 +166,14 @@ class KFACPreconditioner:
             layer.set_grad(update)
         self.steps += 1
 
+    def skip_step(self) -> None:
+        """Drop this step's factors (the step is skipped on every rank), keeping collectives in step."""
+        if self.steps % self.cfg.factor_update_freq == 0:
+            with self.timer.span("FactorComm"):
+                self.comm.end_backward()
+                self.comm.wait()
+        self.steps += 1
+
     def _update_factors(self, averaged: dict[str, Tensor]) -> None:
         missing = [k for k in self.keys if k not in averaged]
         if missing and not self.factors:
@@ -176,6 +185,12 @@ class KFACPreconditioner:
                     continue
                 new = unpack(averaged[key], d)
                 old = self.factors.get(key)
+                if not bool(torch.isfinite(averaged[key]).all()):
+                    # Never blend a non-finite factor into the running average; start one from zero.
+                    warn_once(f"factor {key} was non-finite at step {self.steps}; it was left out")
+                    if old is None:
+                        self.factors[key] = torch.zeros_like(new)
+                    continue
                 self.factors[key] = new if old is None else old.mul_(decay).add_(new, alpha=1 - decay)
 
     def _update_inverses(self) -> None:
@@ -183,7 +198,8 @@ class KFACPreconditioner:
         rank, damping = self.backend.rank, self.cfg.damping
         sends: list[tuple[str, int, Tensor, Handle]] = []
         with torch.no_grad():
-            for key, d, owner in zip(self.keys, self.dims, self.owners, strict=True):
+            for i in self.order:
+                key, d, owner = self.keys[i], self.dims[i], self.owners[i]
                 if owner in (EVERY_RANK, rank):
                     with self.timer.span("InverseComp", key, "inverse"):
                         inv = self.invert(self.factors[key], damping)
