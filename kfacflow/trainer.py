@@ -251,7 +251,7 @@ class Trainer:
         if self.kfac:
             self.kfac.step(lr)
         self.backend.optimizer_step(self.optimizer)
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()  # set_to_none is the default (and all Horovod accepts)
         self.scheduler.step()
         self.step += 1
         correct = float((out.detach().argmax(1) == y).sum())
@@ -280,7 +280,7 @@ class Trainer:
         self.skipped_steps += 1
         if self.kfac:
             self.kfac.skip_step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()  # set_to_none is the default (and all Horovod accepts)
         self.scheduler.step()
         self.step += 1
         logger.warning(

@@ -88,7 +88,10 @@ class HorovodBackend(Backend):
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
         """Return Horovod's DistributedOptimizer (gradients averaged during backward)."""
-        self.hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        if optimizer.state:
+            # Horovod initialises empty state with a zero-gradient step, which applies weight decay
+            # once; empty state is the same on every rank anyway, so it is broadcast only when set.
+            self.hvd.broadcast_optimizer_state(optimizer, root_rank=0)
         wrapped: torch.optim.Optimizer = self.hvd.DistributedOptimizer(
             optimizer, named_parameters=model.named_parameters(), op=self.hvd.Average
         )
