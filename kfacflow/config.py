@@ -246,10 +246,15 @@ def load(recipes: list[str], overrides: list[str]) -> DictConfig:
     cfg = OmegaConf.structured(RunConfig)
     for bad in (o for o in overrides if "=" not in o):
         raise UserError(f"override {bad!r} must look like key.sub=value (e.g. kfac.damping=0.01).")
-    try:
-        dot = OmegaConf.from_dotlist(overrides)
-    except OmegaConfBaseException as err:
-        raise UserError(f"overrides: {str(err).splitlines()[0]}") from None
+    for item in overrides:
+        try:
+            OmegaConf.from_dotlist([item])
+        except (OmegaConfBaseException, yaml.YAMLError) as err:
+            raise UserError(
+                f"override {item!r} does not parse ({str(err).splitlines()[0]}); quote YAML's special "
+                "characters, e.g. kfac.skip=['*']."
+            ) from None
+    dot = OmegaConf.from_dotlist(overrides)
     resume = dot.get("resume") if not recipes else None
     if resume:
         saved = Path(str(resume)) / "config.yaml"

@@ -44,36 +44,51 @@ def write_timeline(events_by_rank: list[list[dict[str, Any]]], run_dir: Path, ti
 
 
 def layer_profile(
-    events: list[dict[str, Any]], layers: list[Any], parts: dict[str, float], world_size: int, batch: int
+    events_by_rank: list[list[dict[str, Any]]],
+    layers: list[Any],
+    parts: dict[str, float],
+    world_size: int,
+    batch: int,
 ) -> dict[str, Any]:
-    """Per-layer times of one traced step on rank 0, for ``tools/simulate.py``.
+    """Per-layer times of one traced step (rank 0's compute, every rank's inverses), for ``tools/simulate.py``.
 
     Backward time per layer is not observable through hooks; the step's backward time is split
     over the layers in proportion to their forward times (``t_backward`` is that estimate).
+    An inverse time is the one measured on whichever rank inverted that factor.
     """
-    span = {e["name"]: e["t1"] - e["t0"] for e in events}
-    forward = {layer.name: span.get(layer.name, 0.0) for layer in layers}
-    total_fwd = sum(forward.values()) or 1.0
-    backward = span.get("backward", 0.0)
+
+    def spans(events: list[dict[str, Any]], lane: str) -> dict[str, float]:
+        return {e["name"]: e["t1"] - e["t0"] for e in events if e["lane"] == lane}
+
+    mine = events_by_rank[0]
+    forward, factor, compute = spans(mine, "forward"), spans(mine, "factor"), spans(mine, "compute")
+    inverse: dict[str, float] = {}
+    for events in events_by_rank:
+        for key, seconds in spans(events, "inverse").items():
+            inverse[key] = max(inverse.get(key, 0.0), seconds)
+    total_fwd = sum(forward.get(layer.name, 0.0) for layer in layers) or 1.0
+    backward = compute.get("backward", 0.0)
     rows = []
     for layer in layers:
-        params = sum(p.numel() for p in layer.module.parameters())
+        t_fwd = forward.get(layer.name, 0.0)
         rows.append(
             {
                 "name": layer.name,
                 "a_dim": layer.a_dim,
                 "g_dim": layer.g_dim,
-                "params": params,
-                "t_forward": forward[layer.name],
-                "t_backward": backward * forward[layer.name] / total_fwd,
-                "t_factor_a": span.get(f"{layer.name}/A", 0.0),
-                "t_factor_g": span.get(f"{layer.name}/G", 0.0),
+                "params": sum(p.numel() for p in layer.module.parameters()),
+                "t_forward": t_fwd,
+                "t_backward": backward * t_fwd / total_fwd,
+                "t_factor_a": factor.get(f"{layer.name}/A", 0.0),
+                "t_factor_g": factor.get(f"{layer.name}/G", 0.0),
+                "t_inverse_a": inverse.get(f"{layer.name}/A"),
+                "t_inverse_g": inverse.get(f"{layer.name}/G"),
             }
         )
     return {
         "world_size": world_size,
         "batch_size": batch,
-        "t_forward_total": span.get("forward", 0.0),
+        "t_forward_total": compute.get("forward", 0.0),
         "t_backward_total": backward,
         "breakdown": parts,
         "layers": rows,

@@ -160,7 +160,8 @@ UNCHECKED = [
     pytest.param(["data.eval_batch_size=-1"], "data.eval_batch_size", id="eval-batch-negative"),
     pytest.param(["data.workers=-1"], "data.workers", id="workers-negative"),
     pytest.param(["optim.lr=inf"], "optim.lr", id="lr-inf"),
-    pytest.param(["kfac.skip=[*]"], "kfac.skip", id="no-layer-to-precondition"),
+    pytest.param(["kfac.skip=['*']"], "kfac.skip", id="no-layer-to-precondition"),
+    pytest.param(["kfac.skip=[*]"], "kfac.skip=[*]", id="override-not-yaml"),
 ]
 
 

@@ -62,6 +62,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=4, help="steps discarded (>= kfac.profile_steps + 2)")
     p.add_argument("--nproc", type=int, default=2, help="workers (per node with --cluster)")
+    p.add_argument("--backend", choices=["torch", "horovod"], default="torch", help="dist.backend of every run")
     p.add_argument("--cluster", action="store_true", help="run on the emulated cluster (tools/cluster.py; root)")
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--rate", default="1gbit")
@@ -73,8 +74,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_one(args: argparse.Namespace, extra: list[str], out_dir: Path, cluster: Any) -> int:
     argv = ["run.py", args.recipe, *args.overrides, *extra, f"out_dir={out_dir}", "name=run", "train.progress=false"]
+    argv.append(f"dist.backend={args.backend}")
     if cluster is not None:
         return int(cluster.run(argv, nproc_per_node=args.nproc))
+    if args.backend == "horovod":
+        hosts = ["horovodrun", "-np", str(args.nproc), "-H", f"localhost:{args.nproc}", "--gloo"]
+        return subprocess.run([*hosts, sys.executable, *argv], cwd=ROOT).returncode
     argv.append(f"launch.nproc={args.nproc}")
     return subprocess.run([sys.executable, *argv], cwd=ROOT).returncode
 
@@ -154,6 +159,9 @@ def _terminate(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     signal.signal(signal.SIGTERM, _terminate)
+    if args.cluster and args.backend == "horovod":
+        print("error: --backend horovod runs locally only (horovodrun reaches other nodes over ssh)", file=sys.stderr)
+        return 2
     configs = CONFIGS[args.ablation]
     if args.only:
         configs = {k: v for k, v in configs.items() if k in args.only.split(",")}
@@ -184,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             cluster.__exit__(None, None, None)
     results = {name: summarize(r) for name, r in runs.items()}
     where = f"{args.nodes} nodes x {args.nproc} at {args.rate}" if args.cluster else f"{args.nproc} local workers"
+    where += f", {args.backend}"
     meta = {
         "recipe": args.recipe,
         "overrides": args.overrides,

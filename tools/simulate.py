@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kfacflow.kfac.factors import packed_size  # noqa: E402
 from kfacflow.kfac.fusion_plan import plan_groups  # noqa: E402
 from kfacflow.kfac.placement import EVERY_RANK, lbp, local, round_robin, schedule  # noqa: E402
-from kfacflow.perf import LinearModel, Profile  # noqa: E402
+from kfacflow.perf import InverseModel, LinearModel, Profile  # noqa: E402
 
 VARIANTS = {"d": ("after_backward", "local"), "mpd": ("after_backward", "round_robin"), "spd": ("optimal", "lbp")}
 PLACE = {"local": local, "round_robin": round_robin, "lbp": lbp}
@@ -90,8 +90,14 @@ def factor_groups(
     return [(ready[g[-1]], sum(sizes[i] for i in g)) for g in groups]
 
 
-def simulate(layers: dict[str, Any], profile: Profile, workers: int, fusion: str, placement: str) -> dict[str, float]:
-    """Return the six-part breakdown and total of one step (seconds)."""
+def simulate(
+    layers: dict[str, Any], profile: Profile, workers: int, fusion: str, placement: str, use_measured: bool = True
+) -> dict[str, float]:
+    """Return the six-part breakdown and total of one step (seconds).
+
+    Inverse times are the ones the traced step measured where it has them (``use_measured``),
+    otherwise the profile's inverse model.
+    """
     prof = scaled(profile, workers)
     rows = layers["layers"]
     measured = layers["breakdown"]
@@ -137,13 +143,14 @@ def simulate(layers: dict[str, Any], profile: Profile, workers: int, fusion: str
     t += factor_comm
     update = max(0.0, measured.get("FactorComp", hooks) - hooks)
     dims = [d for r in rows for d in (r["a_dim"], r["g_dim"])]
+    measured_inv = [t for r in rows for t in (r.get("t_inverse_a"), r.get("t_inverse_g"))]
     sizes = [packed_size(d) for d in dims]
     owners = PLACE[placement](dims, sizes, workers, prof)
     busy = [0.0] * workers
     inv_link, inv_done = Link(), 0.0
     for i in schedule(dims, owners, workers, prof):
         d, m, owner = dims[i], sizes[i], owners[i]
-        cost = prof.inverse(d)
+        cost = measured_inv[i] if use_measured and measured_inv[i] is not None else prof.inverse(d)
         if owner == EVERY_RANK:
             busy = [b + cost for b in busy]
         else:
@@ -165,6 +172,19 @@ def simulate(layers: dict[str, Any], profile: Profile, workers: int, fusion: str
     return parts
 
 
+def scale_compute(layers: dict[str, Any], factor: float) -> dict[str, Any]:
+    """Return ``layers`` with every measured compute time multiplied by ``factor``."""
+    rows = [{k: v * factor if k.startswith("t_") else v for k, v in r.items()} for r in layers["layers"]]
+    breakdown = {k: v * factor for k, v in layers["breakdown"].items()}
+    return {
+        **layers,
+        "layers": rows,
+        "breakdown": breakdown,
+        "t_forward_total": layers["t_forward_total"] * factor,
+        "t_backward_total": layers["t_backward_total"] * factor,
+    }
+
+
 def lower_bound(layers: dict[str, Any], profile: Profile, workers: int) -> float:
     """All communication hidden; inverses perfectly balanced over the workers and free to share."""
     rows = layers["layers"]
@@ -180,10 +200,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("profile", help="performance profile (kfac.profile format)")
     p.add_argument("--workers", default="2,4,16,64")
     p.add_argument("--variants", default="d,mpd,spd", help="d, mpd, spd or fusion:placement pairs")
+    p.add_argument(
+        "--compute-scale",
+        type=float,
+        default=1.0,
+        help="multiply every compute time (e.g. 0.01 to project CPU-measured layers onto GPUs)",
+    )
     p.add_argument("--json", default=None, help="write the results to this file")
     args = p.parse_args(argv)
-    layers = json.loads(Path(args.layers).read_text())
+    layers = scale_compute(json.loads(Path(args.layers).read_text()), args.compute_scale)
     profile = Profile.load(args.profile)
+    if args.compute_scale != 1.0:
+        inv = profile.inverse
+        alpha = inv.alpha * args.compute_scale
+        beta = inv.beta * args.compute_scale if inv.kind == "cubic" else inv.beta
+        profile.inverse = InverseModel(inv.kind, alpha, beta, inv.error)
     results: list[dict[str, Any]] = []
     print(f"{'P':>4} {'variant':<22} {'total':>8} " + " ".join(f"{c:>11}" for c in PARTS))
     for workers in (int(w) for w in args.workers.split(",")):
