@@ -117,9 +117,10 @@ def fit_inverse(dims: list[float], seconds: list[float]) -> InverseModel:
     return exp if exp.error < cubic.error else cubic
 
 
-def _time(fn: Callable[[], Any], repeat: int, device: torch.device) -> float:
+def _time(fn: Callable[[], Any], repeat: int, device: torch.device, sync: Callable[[], None]) -> float:
     best = math.inf
     for _ in range(repeat):
+        sync()  # start every rank together: a root that runs ahead makes a broadcast look free
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         tic = time.perf_counter()
@@ -159,11 +160,11 @@ def measure(
     for d in dims:
         m = d * (d + 1) // 2
         buf = torch.ones(m, dtype=dtype, device=device)
-        ar = _time(partial(_allreduce, backend, buf), repeat, device)
-        bc = _time(partial(_broadcast, backend, buf), repeat, device)
+        ar = _time(partial(_allreduce, backend, buf), repeat, device, backend.barrier)
+        bc = _time(partial(_broadcast, backend, buf), repeat, device, backend.barrier)
         x = torch.randn(d, d, generator=gen, dtype=dtype).to(device)
         spd = x @ x.T / d
-        inv = _time(partial(inverse, spd, 1e-3), repeat, device)
+        inv = _time(partial(inverse, spd, 1e-3), repeat, device, backend.barrier)
         out["allreduce"].append([m, ar])
         out["broadcast"].append([m, bc])
         out["inverse"].append([d, inv])

@@ -101,11 +101,13 @@ def simulate(
     prof = scaled(profile, workers)
     rows = layers["layers"]
     measured = layers["breakdown"]
-    fwd_sum = sum(r["t_forward"] for r in rows) or 1.0
-    bwd_sum = sum(r["t_backward"] for r in rows) or 1.0
-    f_scale = layers["t_forward_total"] / fwd_sum
-    b_scale = layers["t_backward_total"] / bwd_sum
     hooks = sum(r["t_factor_a"] + r["t_factor_g"] for r in rows)
+    # Layer times come from hooks; scale them so forward + backward add up to the measured FF&BP,
+    # which excludes the factor work and the communication launched inside the hooks.
+    ffbp = measured.get("FF&BP", layers["t_forward_total"] + layers["t_backward_total"] - hooks)
+    share = layers["t_forward_total"] / max(layers["t_forward_total"] + layers["t_backward_total"], 1e-12)
+    f_scale = ffbp * share / (sum(r["t_forward"] for r in rows) or 1.0)
+    b_scale = ffbp * (1 - share) / (sum(r["t_backward"] for r in rows) or 1.0)
     t = 0.0
     ready_a, size_a = [], []
     for r in rows:
@@ -134,7 +136,8 @@ def simulate(
         ops += [(s, m, "factor") for s, m in factor_groups(fusion, ready_g, size_g, t_bwd, prof)]
     ops += [(s, m, "grad") for s, m in grads] if workers > 1 else []
     link, done = Link(), {"factor": 0.0, "grad": 0.0}
-    for launch, m, kind in sorted(ops, key=lambda op: op[0]):
+    # DDP launches its buckets during backward, before K-FAC's hooks return: at a tie, gradients go first.
+    for launch, m, kind in sorted(ops, key=lambda op: (op[0], op[2] != "grad")):
         end = link.send(launch, prof.allreduce(m)) if workers > 1 else launch
         done[kind] = max(done[kind], end)
     grad_comm = max(0.0, done["grad"] - t_bwd)
@@ -160,7 +163,7 @@ def simulate(
     inverse_comm = max(0.0, inv_done - inverse_comp)
     other = measured.get("Other", 0.0)
     parts = {
-        "FF&BP": layers["t_forward_total"] + layers["t_backward_total"] - hooks,
+        "FF&BP": ffbp,
         "GradComm": grad_comm,
         "FactorComp": hooks + update,
         "FactorComm": factor_comm,
@@ -187,11 +190,16 @@ def scale_compute(layers: dict[str, Any], factor: float) -> dict[str, Any]:
 
 def lower_bound(layers: dict[str, Any], profile: Profile, workers: int) -> float:
     """All communication hidden; inverses perfectly balanced over the workers and free to share."""
-    rows = layers["layers"]
+    rows, measured = layers["layers"], layers["breakdown"]
     hooks = sum(r["t_factor_a"] + r["t_factor_g"] for r in rows)
-    update = max(0.0, layers["breakdown"].get("FactorComp", hooks) - hooks)
-    inverses = sum(profile.inverse(d) for r in rows for d in (r["a_dim"], r["g_dim"])) / workers
-    return layers["t_forward_total"] + layers["t_backward_total"] + update + inverses + layers["breakdown"]["Other"]
+    ffbp = measured.get("FF&BP", layers["t_forward_total"] + layers["t_backward_total"] - hooks)
+    factor_comp = max(measured.get("FactorComp", hooks), hooks)
+    inverses = sum(
+        t if t is not None else profile.inverse(d)
+        for r in rows
+        for d, t in ((r["a_dim"], r.get("t_inverse_a")), (r["g_dim"], r.get("t_inverse_g")))
+    )
+    return ffbp + factor_comp + inverses / workers + measured.get("Other", 0.0)
 
 
 def main(argv: list[str] | None = None) -> int:
