@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 RANK_VARS = ("RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 """Where torchrun, horovodrun and MPI put a process's rank (read before any backend starts)."""
+LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
 
 
 def setup_logging(rank: int) -> None:
@@ -92,7 +93,7 @@ def _run(config_yaml: str, argv: list[str], announce: bool, rank: int) -> str | 
     cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.create(config_yaml))
     assert isinstance(cfg, DictConfig)
     registry.load_all()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    local = int(next((os.environ[v] for v in LOCAL_SIZE_VARS if v in os.environ), 1))
     env_threads = int(os.environ.get("OMP_NUM_THREADS", 0) or 0)  # torchrun and cluster tools set it
     torch.set_num_threads(cfg.launch.threads or env_threads or max(1, (os.cpu_count() or 1) // local))
     backend: Backend = registry.BACKENDS.get(cfg.dist.backend)(cfg.dist)
