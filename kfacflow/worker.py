@@ -49,7 +49,8 @@ def worker(config_yaml: str, argv: list[str], announce: bool) -> str | None:
         The run folder on rank 0, None elsewhere.
 
     Raises:
-        SystemExit: Code 2 after one message line when the user can fix the problem.
+        SystemExit: After one ``error:`` line, with the error's exit code (2 for a bad recipe or data,
+            3 when training cannot go on); with 128 + the signal after a SIGTERM/SIGINT stop.
     """
     rank = int(next((os.environ[v] for v in RANK_VARS if v in os.environ), 0))
     setup_logging(rank)
