@@ -358,14 +358,14 @@ def check(cfg: DictConfig) -> None:
 
 def _check_horovod(nproc: int) -> None:
     import importlib.util
-    import os
+
+    from kfacflow.launch import under_mpi_launcher
 
     if importlib.util.find_spec("horovod") is None:
         raise UserError(
             "dist.backend=horovod: Horovod is not installed; install it with `bash tools/install_horovod.sh`."
         )
-    launched = any(v in os.environ for v in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"))
-    if nproc > 1 and not launched:
+    if nproc > 1 and not under_mpi_launcher():
         raise UserError(
             f"dist.backend=horovod starts no workers itself: run `horovodrun -np {nproc} -H localhost:{nproc} "
             "--gloo python run.py RECIPE dist.backend=horovod` (launch.nproc is then ignored)."

@@ -16,11 +16,20 @@ SHUTDOWN_TIMEOUT_S = 120
 """Seconds a signalled worker gets to finish its step and write a checkpoint before it is killed."""
 
 
+MPI_RANK_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+"""Where horovodrun and MPI launchers put a process's rank."""
+RANK_VARS = ("RANK", *MPI_RANK_VARS)
+"""Where any supported launcher (torchrun first) puts a process's rank."""
+
+
+def under_mpi_launcher() -> bool:
+    """Return whether horovodrun or an MPI launcher started this process."""
+    return any(var in os.environ for var in MPI_RANK_VARS)
+
+
 def under_launcher() -> bool:
     """Return whether an external launcher (torchrun, horovodrun, mpirun) started this process."""
-    return ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or any(
-        var in os.environ for var in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
-    )
+    return ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or under_mpi_launcher()
 
 
 def self_launch(nproc: int, entry: Any, args: tuple[Any, ...]) -> dict[int, Any]:

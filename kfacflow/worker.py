@@ -19,11 +19,10 @@ from kfacflow import registry, rundir
 from kfacflow.config import RunConfig, to_yaml
 from kfacflow.dist.base import Backend
 from kfacflow.errors import UserError
+from kfacflow.launch import RANK_VARS
 
 logger = logging.getLogger(__name__)
 
-RANK_VARS = ("RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
-"""Where torchrun, horovodrun and MPI put a process's rank (read before any backend starts)."""
 LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
 
 
