@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 import yaml
+from scipy.optimize import least_squares
 
 from kfacflow.dist.base import Backend
 from kfacflow.errors import UserError
@@ -97,12 +98,24 @@ def _rel_rms(pred: np.ndarray, y: np.ndarray) -> float:
 
 
 def fit_linear(sizes: list[float], seconds: list[float]) -> LinearModel:
-    """Fit ``alpha + beta * m`` by least squares weighted by 1/t (relative error), alpha >= 0, beta >= 0."""
+    """Fit ``alpha + beta * m`` to the relative error, with alpha >= 0 and beta >= 0.
+
+    The loss is robust (Cauchy beyond 10 %) and starts from the least-squares line of the
+    absolute times, which the large messages decide: a few small messages far off that line,
+    such as those that fit within a shaped link's burst, must not drag the slope every large
+    message is timed with. The bounds are part of the fit: clipping an unconstrained negative
+    intercept to zero afterwards would leave a slope fitted for a different line.
+    """
     m, t = np.asarray(sizes, float), np.asarray(seconds, float)
-    w = 1.0 / t
-    design = np.stack([np.ones_like(m), m], axis=1) * w[:, None]
-    (alpha, beta), *_ = np.linalg.lstsq(design, t * w, rcond=None)
-    alpha, beta = max(float(alpha), 0.0), max(float(beta), 0.0)
+    # Unknowns in units of the largest sample keep both of them near 1 for the solver.
+    t_unit, m_unit = float(t.max()), float(m.max())
+
+    def line(x: np.ndarray) -> np.ndarray:
+        return t_unit * (x[0] + x[1] * m / m_unit)
+
+    bulk = least_squares(lambda x: (line(x) - t) / t_unit, np.array([0.01, 1.0]), bounds=(0.0, np.inf)).x
+    x = least_squares(lambda x: (line(x) - t) / t, bulk, bounds=(0.0, np.inf), loss="cauchy", f_scale=0.1).x
+    alpha, beta = float(x[0] * t_unit), float(x[1] * t_unit / m_unit)
     return LinearModel(alpha, beta, _rel_rms(alpha + beta * m, t))
 
 

@@ -9,8 +9,16 @@ from typing import Any
 from kfacflow.rundir import write_atomic
 from kfacflow.timing import chrome_trace
 
-LANES = ("forward", "backward", "factor", "allreduce", "inverse", "broadcast")
-COLORS = {"forward": "C0", "backward": "C1", "factor": "C2", "allreduce": "C3", "inverse": "C4", "broadcast": "C5"}
+LANES = ("forward", "backward", "factor", "allreduce", "inverse", "pack", "broadcast")
+COLORS = {
+    "forward": "C0",
+    "backward": "C1",
+    "factor": "C2",
+    "allreduce": "C3",
+    "inverse": "C4",
+    "pack": "C6",
+    "broadcast": "C5",
+}
 
 
 def write_timeline(events_by_rank: list[list[dict[str, Any]]], run_dir: Path, title: str) -> Any:
@@ -54,7 +62,9 @@ def layer_profile(
 
     Backward time per layer is not observable through hooks; the step's backward time is split
     over the layers in proportion to their forward times (``t_backward`` is that estimate).
-    An inverse time is the one measured on whichever rank inverted that factor.
+    An inverse time is the one measured on whichever rank inverted that factor; ``t_pack`` (the
+    owner packing a communicated inverse for its broadcast) and ``t_unpack`` (a rank unpacking
+    the broadcast copy) are the slowest rank's, and absent for factors every rank inverted.
     """
 
     def spans(events: list[dict[str, Any]], lane: str) -> dict[str, float]:
@@ -63,9 +73,12 @@ def layer_profile(
     mine = events_by_rank[0]
     forward, factor, compute = spans(mine, "forward"), spans(mine, "factor"), spans(mine, "compute")
     inverse: dict[str, float] = {}
+    pack: dict[str, float] = {}
     for events in events_by_rank:
         for key, seconds in spans(events, "inverse").items():
             inverse[key] = max(inverse.get(key, 0.0), seconds)
+        for key, seconds in spans(events, "pack").items():
+            pack[key] = max(pack.get(key, 0.0), seconds)
     total_fwd = sum(forward.get(layer.name, 0.0) for layer in layers) or 1.0
     backward = compute.get("backward", 0.0)
     rows = []
@@ -83,6 +96,10 @@ def layer_profile(
                 "t_factor_g": factor.get(f"{layer.name}/G", 0.0),
                 "t_inverse_a": inverse.get(f"{layer.name}/A"),
                 "t_inverse_g": inverse.get(f"{layer.name}/G"),
+                "t_pack_a": pack.get(f"{layer.name}/A"),
+                "t_pack_g": pack.get(f"{layer.name}/G"),
+                "t_unpack_a": pack.get(f"{layer.name}/A unpack"),
+                "t_unpack_g": pack.get(f"{layer.name}/G unpack"),
             }
         )
     return {

@@ -303,6 +303,7 @@ class Trainer:
 
         layers = self.kfac.layers if self.kfac else []
         profile = layer_profile(events, layers, parts, self.world, self.cfg.data.batch_size)
+        profile = {"model": self.cfg.model.name, "image_size": self.cfg.data.image_size, **profile}
         rundir.write_atomic(self.run_dir / "layers.json", json.dumps(profile, indent=1).encode())
         figure = write_timeline(events, self.run_dir, f"{self.cfg.name}: step {self.step} ({self.cfg.kfac.variant})")
         if self.writer is not None and figure is not None:

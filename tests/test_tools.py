@@ -56,6 +56,7 @@ def traced_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "train.steps=5",
         "train.timeline=5",
         "kfac.profile_steps=1",
+        "kfac.placement=round_robin",  # every inverse broadcast: pack and unpack times are recorded
         "train.progress=false",
         f"out_dir={out}",
         timeout=180,
@@ -67,7 +68,11 @@ def traced_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_simulator_projects_a_recorded_run(traced_run: Path, tmp_path: Path) -> None:
     layers = json.loads((traced_run / "layers.json").read_text())
     assert [r["name"] for r in layers["layers"]] == ["conv1", "conv2", "fc1", "fc2"]
+    assert (layers["model"], layers["world_size"], layers["batch_size"]) == ("digits_cnn", 2, 32)
     assert all(r["t_forward"] > 0 and r["t_factor_a"] > 0 and r["t_factor_g"] > 0 for r in layers["layers"])
+    for side in ("a", "g"):
+        assert all(r[f"t_inverse_{side}"] > 0 and r[f"t_pack_{side}"] > 0 for r in layers["layers"])
+        assert all(r[f"t_unpack_{side}"] > 0 for r in layers["layers"])
     out = tmp_path / "sim.json"
     assert (
         simulate.main(
@@ -94,4 +99,89 @@ def test_simulated_link_and_scaling() -> None:
     assert same.allreduce.alpha == pytest.approx(2e-3) and same.allreduce.beta == pytest.approx(1e-9)
     big = simulate.scaled(prof, 64)
     assert big.allreduce.alpha == pytest.approx(63 * 2e-3) and big.allreduce.beta == pytest.approx(1e-9 * 63 / 32)
-    assert big.broadcast.alpha == pytest.approx(6e-3) and big.broadcast.beta == pytest.approx(5e-10)
+    assert big.broadcast.alpha == pytest.approx(63e-3) and big.broadcast.beta == pytest.approx(5e-10)
+
+
+def _hand_layers() -> dict:
+    """Two layers whose simulated step is worked out by hand in the test below."""
+
+    def row(name: str, a: int, g: int, params: int, inv_a: float, inv_g: float) -> dict:
+        return {"name": name, "a_dim": a, "g_dim": g, "params": params, "t_forward": 1.0, "t_backward": 1.0} | {
+            "t_factor_a": 0.5,
+            "t_factor_g": 0.25,
+            "t_inverse_a": inv_a,
+            "t_inverse_g": inv_g,
+        }
+
+    return {
+        "world_size": 2,
+        "batch_size": 1,
+        "t_forward_total": 2.0,
+        "t_backward_total": 2.0,
+        "breakdown": {"FF&BP": 4.0, "FactorComp": 2.0, "Other": 0.3},
+        "layers": [row("l1", 3, 2, 10, 2.0, 1.0), row("l2", 4, 3, 20, 3.0, 1.0)],
+    }
+
+
+def test_simulated_step_matches_hand_computation() -> None:
+    from kfacflow.perf import InverseModel, LinearModel, Profile
+
+    prof = Profile(LinearModel(0.1, 0.01), LinearModel(0.05, 0.01), InverseModel("cubic", 0.0, 0.01), {"world_size": 2})
+    layers = _hand_layers()
+    # Forward 0..3 s (A factors ready at 0.5 and 2.0), backward 3..5.5 s; then the 30 gradient elements
+    # (0.1 + 0.3 s) and the 6 + 10 + 3 + 6 factor elements (0.1 + 0.25 s) one after the other on the link.
+    d = simulate.simulate(layers, prof, 2, "after_backward", "local")
+    expect = {"FF&BP": 4.0, "GradComm": 0.4, "FactorComp": 2.0, "FactorComm": 0.35, "InverseComp": 7.0}
+    assert d == pytest.approx(expect | {"InverseComm": 0.0, "Other": 0.3, "total": 14.05})
+    # Round robin: rank 0 inverts A2 then A1 (3 + 2 s), rank 1 G2 then G1 (1 + 1 s). Broadcasts in the
+    # shared order G2 (ends 1.11), G1 (2.08), A2 (3.15), A1 (5 + 0.05 + 0.06 = 5.11): 0.11 s after the last inverse.
+    mpd = simulate.simulate(layers, prof, 2, "after_backward", "round_robin")
+    assert mpd == pytest.approx(expect | {"InverseComp": 5.0, "InverseComm": 0.11, "Other": 0.3, "total": 12.16})
+    # Packing each communicated inverse costs its owner 0.1 s before the broadcast; every rank unpacks
+    # each in turn (0.05 s) as it arrives. Rank 0 ends last: 3 + 0.1 + 2 + 0.1 s of inverting and
+    # packing, then four unpacks, the last after A1's broadcast ends at 5.31 s: 5.4 s.
+    for row in layers["layers"]:
+        row.update(t_pack_a=0.1, t_pack_g=0.1, t_unpack_a=0.05, t_unpack_g=0.05)
+    packed = simulate.simulate(layers, prof, 2, "after_backward", "round_robin")
+    assert packed == pytest.approx(expect | {"InverseComp": 5.0, "InverseComm": 0.4, "Other": 0.3, "total": 12.45})
+    # An unmeasured factor gets the seconds per element of the measured ones: 0.3 s over 6 + 10 + 6 elements.
+    del layers["layers"][0]["t_pack_g"]
+    assert simulate.per_element(layers["layers"], [6, 3, 10, 6], "t_pack") == pytest.approx(
+        [0.1, 0.3 / 22 * 3, 0.1, 0.1]
+    )
+    for row in layers["layers"]:
+        for key in ("t_pack_a", "t_pack_g", "t_unpack_a", "t_unpack_g"):
+            row.pop(key, None)
+    # The bound: FF&BP, factor work and the rest, plus half of the 7 s of inverses.
+    assert simulate.lower_bound(layers, prof, 2) == pytest.approx(4.0 + 2.0 + 3.5 + 0.3)
+    # From the profile's model instead: 0.27 + 0.08 + 0.64 + 0.27 s of inverses.
+    assert simulate.lower_bound(layers, prof, 2, use_measured=False) == pytest.approx(6.3 + 1.26 / 2)
+    spd = simulate.simulate(layers, prof, 2, "optimal", "lbp")
+    assert spd["total"] >= simulate.lower_bound(layers, prof, 2) - 1e-12
+
+
+def test_simulate_prints_ratios_and_markdown(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kfacflow.perf import InverseModel, LinearModel, Profile
+
+    layers = tmp_path / "layers.json"
+    layers.write_text(json.dumps(_hand_layers() | {"model": "toy"}))
+    prof = tmp_path / "profile.yaml"
+    Profile(LinearModel(0.1, 0.01), LinearModel(0.05, 0.01), InverseModel("cubic", 0.0, 0.01), {"world_size": 2}).save(
+        prof
+    )
+    assert simulate.main([str(layers), str(prof), "--workers", "2", "--markdown"]) == 0
+    out = capsys.readouterr().out
+    assert "mpd/d 0.865" in out  # 12.16 / 14.05
+    assert "| toy | 2 | 14.050 | 12.160 |" in out
+    # A slower broadcast start-up (1 s): the last broadcast ends at 5 + 1 + 0.06 s.
+    assert simulate.main([str(layers), str(prof), "--workers", "2", "--set", "broadcast.alpha=1", "--markdown"]) == 0
+    assert "| toy | 2 | 14.050 | 13.110 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="not a valid profile.*last argument"):
+        simulate.main([str(layers), str(layers)])
+    # Several layer profiles are averaged: this one and a copy twice as slow make one 1.5 times as slow.
+    slow = tmp_path / "slow.json"
+    slow.write_text(json.dumps(simulate.scale_compute(_hand_layers(), 2.0)))
+    mean = simulate.average([_hand_layers(), json.loads(slow.read_text())])
+    assert mean == simulate.scale_compute(_hand_layers(), 1.5)
+    with pytest.raises(SystemExit, match="broadcast.gamma"):
+        simulate.main([str(layers), str(prof), "--set", "broadcast.gamma=1"])

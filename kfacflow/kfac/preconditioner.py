@@ -206,7 +206,8 @@ class KFACPreconditioner:
                     self.inverses[key] = inv
                     if owner == EVERY_RANK:
                         continue
-                    flat = inv.to_flat()
+                    with self.timer.span("InverseComm", key, "pack"):
+                        flat = inv.to_flat()
                 else:
                     f = self.factors[key]
                     flat = f.new_empty(Inverse.flat_size(self.inverse_kind, d))
@@ -214,9 +215,11 @@ class KFACPreconditioner:
                     handle = self.backend.broadcast_async(flat, owner)
                 self.timer.on_done(handle, f"{key} from {owner}", "broadcast")
                 sends.append((key, d, flat, handle))
-            with self.timer.span("InverseComm"):
-                for key, d, flat, handle in sends:
+            for key, d, flat, handle in sends:
+                with self.timer.span("InverseComm"):
                     handle.wait()
+                # The owner takes the broadcast copy too, so that every rank holds the same bits.
+                with self.timer.span("InverseComm", f"{key} unpack", "pack"):
                     self.inverses[key] = Inverse.from_flat(self.inverse_kind, flat, d)
 
     # --- checkpoints ------------------------------------------------------------------------------
