@@ -159,7 +159,7 @@ def measure(
     dtype: torch.dtype,
     repeat: int = 3,
 ) -> dict[str, list[list[float]]]:
-    """Measure all-reduce and broadcast of packed ``d x d`` factors and inverses of ``d x d`` factors.
+    """Measure all-reduce and broadcast of packed ``d x d`` factors and inverses of packed ``d x d`` factors.
 
     Collective: every rank calls it with the same arguments. Times are the best of ``repeat``
     runs, maximised over ranks (a collective ends when its slowest rank does).
@@ -167,6 +167,8 @@ def measure(
     Returns:
         ``{"allreduce": [[elements, seconds], ...], "broadcast": ..., "inverse": [[d, seconds], ...]}``.
     """
+    from kfacflow.kfac.factors import pack, unpack  # kfacflow.kfac imports this module
+
     device = backend.device
     out: dict[str, list[list[float]]] = {"allreduce": [], "broadcast": [], "inverse": []}
     gen = torch.Generator().manual_seed(0)
@@ -176,8 +178,9 @@ def measure(
         ar = _time(partial(_allreduce, backend, buf), repeat, device, backend.barrier)
         bc = _time(partial(_broadcast, backend, buf), repeat, device, backend.barrier)
         x = torch.randn(d, d, generator=gen, dtype=dtype).to(device)
-        spd = x @ x.T / d
-        inv = _time(partial(inverse, spd, 1e-3), repeat, device, backend.barrier)
+        # As the preconditioner does: running averages stay packed and a factor is unpacked to invert it.
+        packed = pack(x @ x.T / d)
+        inv = _time(lambda: inverse(unpack(packed, d), 1e-3), repeat, device, backend.barrier)  # noqa: B023
         out["allreduce"].append([m, ar])
         out["broadcast"].append([m, bc])
         out["inverse"].append([d, inv])

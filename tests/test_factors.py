@@ -117,7 +117,7 @@ def test_pack_order_row_major_upper() -> None:
     assert unpack(torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], dtype=DT), 3).tolist() == sym.tolist()
 
 
-@pytest.mark.parametrize("d", [1, 2, 5])
+@pytest.mark.parametrize("d", [1, 2, 5, 300])
 def test_pack_unpack_roundtrip(d: int) -> None:
     g = torch.Generator().manual_seed(d)
     b = torch.randn(d, d, generator=g, dtype=DT)

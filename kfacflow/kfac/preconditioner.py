@@ -79,7 +79,8 @@ class KFACPreconditioner:
         self.owners: list[int] = PLACEMENTS.get(stages.placement)(self.dims, sizes, backend.world_size, profile)
         self.order = schedule(self.dims, self.owners, backend.world_size, profile)
         self.steps = 0
-        self.factors: dict[str, Tensor] = {}
+        self.running: dict[str, Tensor] = {}
+        """Running averages of the factors, packed (upper triangles): half the memory and work."""
         self.inverses: dict[str, Inverse] = {}
         self._forward_start: dict[str, float] = {}
         self._hooks: list[RemovableHandle] = []
@@ -176,22 +177,28 @@ class KFACPreconditioner:
 
     def _update_factors(self, averaged: dict[str, Tensor]) -> None:
         missing = [k for k in self.keys if k not in averaged]
-        if missing and not self.factors:
+        if missing and not self.running:
             raise RuntimeError(f"K-FAC received no factor for {missing[:3]}: was the layer used in forward?")
         decay = self.cfg.factor_decay
         with torch.no_grad():
-            for key, d in zip(self.keys, self.dims, strict=True):
+            for key in self.keys:
                 if key not in averaged:
                     continue
-                new = unpack(averaged[key], d)
-                old = self.factors.get(key)
-                if not bool(torch.isfinite(averaged[key]).all()):
+                new, old = averaged[key], self.running.get(key)
+                if not bool(torch.isfinite(new).all()):
                     # Never blend a non-finite factor into the running average; start one from zero.
                     warn_once(f"factor {key} was non-finite at step {self.steps}; it was left out")
                     if old is None:
-                        self.factors[key] = torch.zeros_like(new)
+                        self.running[key] = torch.zeros_like(new)
                     continue
-                self.factors[key] = new if old is None else old.mul_(decay).add_(new, alpha=1 - decay)
+                # A received factor may be a view of the fused communication buffer: copy it.
+                self.running[key] = new.clone() if old is None else old.mul_(decay).add_(new, alpha=1 - decay)
+
+    @property
+    def factors(self) -> dict[str, Tensor]:
+        """The running averages as full symmetric matrices (for inspection; the step keeps them packed)."""
+        dims = dict(zip(self.keys, self.dims, strict=True))
+        return {k: unpack(v, dims[k]) for k, v in self.running.items()}
 
     def _update_inverses(self) -> None:
         """Invert owned factors; broadcast each communicated result as soon as it is ready."""
@@ -202,15 +209,14 @@ class KFACPreconditioner:
                 key, d, owner = self.keys[i], self.dims[i], self.owners[i]
                 if owner in (EVERY_RANK, rank):
                     with self.timer.span("InverseComp", key, "inverse"):
-                        inv = self.invert(self.factors[key], damping)
+                        inv = self.invert(unpack(self.running[key], d), damping)
                     self.inverses[key] = inv
                     if owner == EVERY_RANK:
                         continue
                     with self.timer.span("InverseComm", key, "pack"):
                         flat = inv.to_flat()
                 else:
-                    f = self.factors[key]
-                    flat = f.new_empty(Inverse.flat_size(self.inverse_kind, d))
+                    flat = self.running[key].new_empty(Inverse.flat_size(self.inverse_kind, d))
                 with self.timer.span("InverseComm"):
                     handle = self.backend.broadcast_async(flat, owner)
                 self.timer.on_done(handle, f"{key} from {owner}", "broadcast")
@@ -228,15 +234,14 @@ class KFACPreconditioner:
         """Return factors, inverses and the step counter (for checkpoints)."""
         return {
             "steps": self.steps,
-            "factors": {k: pack(v) for k, v in self.factors.items()},
+            "factors": dict(self.running),
             "inverses": {k: (v.kind, v.tensors) for k, v in self.inverses.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
-        dims = dict(zip(self.keys, self.dims, strict=True))
         self.steps = int(state["steps"])
-        self.factors = {k: unpack(v, dims[k]) for k, v in state["factors"].items()}
+        self.running = {k: v.clone() for k, v in state["factors"].items()}
         self.inverses = {k: Inverse(kind, tuple(ts)) for k, (kind, ts) in state["inverses"].items()}
 
     def remove(self) -> None:
