@@ -3,7 +3,7 @@
     python tools/simulate.py RUN/layers.json RUN/profile.yaml --workers 2,4,16,64
     python tools/simulate.py RUN1/layers.json RUN2/layers.json RUN1/profile.yaml --workers 2   # their average
     python tools/simulate.py docs/results/projections/layers_resnet50.json docs/results/projections/ib100_p64.yaml \
-        --workers 4,16,64 --compute-scale 0.0127 --inverse model --markdown
+        --workers 4,16,64 --compute-scale 0.016 --inverse model --markdown
 
 Inputs: the per-layer profile a real run writes at its traced step (``train.timeline=N`` writes
 ``layers.json``: forward, backward, factor, inverse and pack times of every layer) and a performance profile
