@@ -169,8 +169,8 @@ def simulate(
     # Every rank then waits for the broadcasts in order and unpacks each (the owner too), as the trainer does.
     finish = []
     for t in busy:
-        for i, done in sends:
-            t = max(t, done) + unpack[i]
+        for i, arrived in sends:
+            t = max(t, arrived) + unpack[i]
         finish.append(t)
     inverse_comp = max(comp)
     inverse_comm = max(finish) - inverse_comp
