@@ -22,11 +22,22 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """Run ``python run.py ARGS`` from the repository root; outputs are captured as text."""
+    return _run_python(ROOT / "run.py", args, cwd, timeout)
+
+
+def run_tool(name: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run ``python tools/NAME ARGS`` from the repository root; outputs are captured as text."""
+    return _run_python(ROOT / "tools" / name, args, None, timeout)
+
+
+def _run_python(
+    script: Path, args: tuple[str, ...], cwd: Path | None, timeout: float
+) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("RANK", None)
+    env.pop("RANK", None)  # not a worker of whatever launched the tests
     env.pop("WORLD_SIZE", None)
     return subprocess.run(
-        [sys.executable, str(ROOT / "run.py"), *args],
+        [sys.executable, str(script), *args],
         cwd=cwd or ROOT,
         env=env,
         capture_output=True,

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, last_line
+from helpers import ROOT, last_line, run_tool
 
 _spec = importlib.util.spec_from_file_location("kfacflow_cluster_tool", ROOT / "tools" / "cluster.py")
 assert _spec is not None and _spec.loader is not None
@@ -71,9 +71,7 @@ def _namespaces(prefix: str) -> list[str]:
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    cmd = [sys.executable, str(ROOT / "tools" / "cluster.py"), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_tool("cluster.py", *args, timeout=timeout)
 
 
 def test_context_manager_creates_and_removes_namespaces(prefix: str) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import run_tool
 
 from kfacflow.errors import UserError
 from kfacflow.perf import InverseModel, LinearModel, Profile, fit, fit_inverse, fit_linear
@@ -90,29 +91,19 @@ def test_malformed_profile_is_a_user_error(tmp_path: Path, text: str) -> None:
 
 
 def test_fit_tool_measures_a_two_worker_job(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
-    from helpers import ROOT
-
     out = tmp_path / "profile.yaml"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tools" / "fit_perf_models.py"),
-            "--nproc",
-            "2",
-            "--dims",
-            "32,64,128,192",
-            "--repeat",
-            "1",
-            "--out",
-            str(out),
-            "--plot",
-            str(tmp_path / "figs"),
-        ],
-        capture_output=True,
-        text=True,
+    proc = run_tool(
+        "fit_perf_models.py",
+        "--nproc",
+        "2",
+        "--dims",
+        "32,64,128,192",
+        "--repeat",
+        "1",
+        "--out",
+        str(out),
+        "--plot",
+        str(tmp_path / "figs"),
         timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, last_line, run_cli
+from helpers import ROOT, last_line, run_cli, run_tool
 
 sys.path.insert(0, str(ROOT / "tools"))
 
@@ -16,26 +15,20 @@ import simulate  # noqa: E402
 
 
 def test_bench_compares_variants_and_writes_table_json_and_figure(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tools" / "bench.py"),
-            "recipes/quickstart.yaml",
-            "--steps",
-            "5",
-            "--warmup",
-            "3",
-            "--reps",
-            "1",
-            "--only",
-            "sgd,D-KFAC,SPD-KFAC",
-            "--out",
-            str(tmp_path),
-            "kfac.profile_steps=1",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    proc = run_tool(
+        "bench.py",
+        "recipes/quickstart.yaml",
+        "--steps",
+        "5",
+        "--warmup",
+        "3",
+        "--reps",
+        "1",
+        "--only",
+        "sgd,D-KFAC,SPD-KFAC",
+        "--out",
+        str(tmp_path),
+        "kfac.profile_steps=1",
         timeout=400,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
