@@ -359,12 +359,11 @@ def check(cfg: DictConfig) -> None:
 def _check_horovod(nproc: int) -> None:
     import importlib.util
 
+    from kfacflow.dist.horovod import INSTALL_HINT
     from kfacflow.launch import under_mpi_launcher
 
     if importlib.util.find_spec("horovod") is None:
-        raise UserError(
-            "dist.backend=horovod: Horovod is not installed; install it with `bash tools/install_horovod.sh`."
-        )
+        raise UserError(f"dist.backend=horovod: Horovod is not installed; {INSTALL_HINT}.")
     if nproc > 1 and not under_mpi_launcher():
         raise UserError(
             f"dist.backend=horovod starts no workers itself: run `horovodrun -np {nproc} -H localhost:{nproc} "

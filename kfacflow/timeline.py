@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from kfacflow.rundir import write_atomic
-from kfacflow.timing import chrome_trace
+from kfacflow.timing import LANES, chrome_trace
 
-LANES = ("forward", "backward", "factor", "allreduce", "inverse", "pack", "broadcast")
+ROWS = tuple(lane for lane in LANES if lane != "compute")
+"""Lanes the picture draws; the forward and backward passes (``compute``) go on their own rows."""
 COLORS = {
     "forward": "C0",
     "backward": "C1",
@@ -35,7 +36,7 @@ def write_timeline(events_by_rank: list[list[dict[str, Any]]], run_dir: Path, ti
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [(rank, lane) for rank in range(len(events_by_rank)) for lane in LANES]
+    rows = [(rank, lane) for rank in range(len(events_by_rank)) for lane in ROWS]
     fig, ax = plt.subplots(figsize=(12, 0.35 * len(rows) + 1.2))
     for y, (rank, lane) in enumerate(rows):
         spans = [(e["t0"], e["t1"] - e["t0"]) for e in events_by_rank[rank] if _lane(e) == lane]

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 
 CATEGORIES = ("FF&BP", "GradComm", "FactorComp", "FactorComm", "InverseComp", "InverseComm", "Other")
+LANES = ("forward", "backward", "compute", "factor", "allreduce", "inverse", "pack", "broadcast")
+"""Where traced events go, in display order."""
 
 
 class StepTimer:
@@ -94,7 +96,7 @@ class StepTimer:
 def chrome_trace(events_by_rank: list[list[dict[str, Any]]]) -> dict[str, Any]:
     """Return a Chrome trace (Perfetto opens it): one process per rank, one thread per lane."""
     trace: list[dict[str, Any]] = []
-    lanes = ["forward", "backward", "compute", "factor", "allreduce", "inverse", "broadcast"]
+    lanes = list(LANES)
     for rank, events in enumerate(events_by_rank):
         trace.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
         for e in events:

@@ -251,9 +251,7 @@ class Trainer:
         if self.kfac:
             self.kfac.step(lr)
         self.backend.optimizer_step(self.optimizer)
-        self.optimizer.zero_grad()  # set_to_none is the default (and all Horovod accepts)
-        self.scheduler.step()
-        self.step += 1
+        self._next_step()
         correct = float((out.detach().argmax(1) == y).sum())
         parts = timer.end_step(timer.now() - tic)
         self.timings.append(parts)
@@ -261,6 +259,12 @@ class Trainer:
         if timer.tracing:
             self._write_timeline(parts)
         return value, correct
+
+    def _next_step(self) -> None:
+        """Clear the gradients and advance the schedule and the step count (a skipped step too)."""
+        self.optimizer.zero_grad()  # set_to_none is the default (and all Horovod accepts)
+        self.scheduler.step()
+        self.step += 1
 
     def _agree_to_skip(self, loss: float) -> bool:
         """Agree with every rank whether to skip this step (non-finite loss or gradient) and whether to stop.
@@ -280,9 +284,7 @@ class Trainer:
         self.skipped_steps += 1
         if self.kfac:
             self.kfac.skip_step()
-        self.optimizer.zero_grad()  # set_to_none is the default (and all Horovod accepts)
-        self.scheduler.step()
-        self.step += 1
+        self._next_step()
         logger.warning(
             "step %d skipped on every rank: non-finite loss or gradient on %d rank(s)", self.step, int(flags[0])
         )
