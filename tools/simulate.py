@@ -104,10 +104,9 @@ def simulate(
     prof = scaled(profile, workers)
     rows = layers["layers"]
     measured = layers["breakdown"]
-    hooks = sum(r["t_factor_a"] + r["t_factor_g"] for r in rows)
+    hooks, ffbp = measured_compute(layers)
     # Layer times come from hooks; scale them so forward + backward add up to the measured FF&BP,
     # which excludes the factor work and the communication launched inside the hooks.
-    ffbp = measured.get("FF&BP", layers["t_forward_total"] + layers["t_backward_total"] - hooks)
     share = layers["t_forward_total"] / max(layers["t_forward_total"] + layers["t_backward_total"], 1e-12)
     f_scale = ffbp * share / (sum(r["t_forward"] for r in rows) or 1.0)
     b_scale = ffbp * (1 - share) / (sum(r["t_backward"] for r in rows) or 1.0)
@@ -149,7 +148,7 @@ def simulate(
     t += factor_comm
     update = max(0.0, measured.get("FactorComp", hooks) - hooks)
     dims = [d for r in rows for d in (r["a_dim"], r["g_dim"])]
-    measured_inv = [t for r in rows for t in (r.get("t_inverse_a"), r.get("t_inverse_g"))]
+    costs = inverse_costs(rows, prof, use_measured)
     sizes = [packed_size(d) for d in dims]
     pack = per_element(rows, sizes, "t_pack")
     unpack = per_element(rows, sizes, "t_unpack")
@@ -157,8 +156,7 @@ def simulate(
     comp, busy = [0.0] * workers, [0.0] * workers
     inv_link, sends = Link(), []
     for i in schedule(dims, owners, workers, prof):
-        d, m, owner = dims[i], sizes[i], owners[i]
-        cost = measured_inv[i] if use_measured and measured_inv[i] is not None else prof.inverse(d)
+        cost, m, owner = costs[i], sizes[i], owners[i]
         if owner == EVERY_RANK:
             comp = [c + cost for c in comp]
             busy = [b + cost for b in busy]
@@ -236,16 +234,27 @@ def scale_compute(layers: dict[str, Any], factor: float) -> dict[str, Any]:
 
 def lower_bound(layers: dict[str, Any], profile: Profile, workers: int, use_measured: bool = True) -> float:
     """All communication hidden; inverses perfectly balanced over the workers and free to share."""
-    rows, measured = layers["layers"], layers["breakdown"]
-    hooks = sum(r["t_factor_a"] + r["t_factor_g"] for r in rows)
-    ffbp = measured.get("FF&BP", layers["t_forward_total"] + layers["t_backward_total"] - hooks)
+    measured = layers["breakdown"]
+    hooks, ffbp = measured_compute(layers)
     factor_comp = max(measured.get("FactorComp", hooks), hooks)
-    inverses = sum(
+    inverses = sum(inverse_costs(layers["layers"], profile, use_measured))
+    return ffbp + factor_comp + inverses / workers + measured.get("Other", 0.0)
+
+
+def measured_compute(layers: dict[str, Any]) -> tuple[float, float]:
+    """Return the traced step's factor work inside the hooks and its FF&BP (seconds)."""
+    hooks = sum(r["t_factor_a"] + r["t_factor_g"] for r in layers["layers"])
+    ffbp = layers["breakdown"].get("FF&BP", layers["t_forward_total"] + layers["t_backward_total"] - hooks)
+    return hooks, ffbp
+
+
+def inverse_costs(rows: list[dict[str, Any]], profile: Profile, use_measured: bool) -> list[float]:
+    """Seconds to invert every factor, A1, G1, A2, G2, ...: as traced (``use_measured``), else the profile's model."""
+    return [
         t if use_measured and t is not None else profile.inverse(d)
         for r in rows
         for d, t in ((r["a_dim"], r.get("t_inverse_a")), (r["g_dim"], r.get("t_inverse_g")))
-    )
-    return ffbp + factor_comp + inverses / workers + measured.get("Other", 0.0)
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -308,18 +317,18 @@ def main(argv: list[str] | None = None) -> int:
         bound = lower_bound(layers, profile, workers, use_measured=args.inverse == "measured")
         results.append({"workers": workers, "variant": "lower bound", "total": bound})
         print(f"{workers:>4} {'lower bound':<22} {bound:>8.3f}")
-        ratios = ratio_line(totals)
-        if ratios:
-            print(f"{'':>4} {ratios}")
+        pairs = ratio_pairs(totals)
+        if pairs:
+            print(f"{'':>4} " + "  ".join(f"{a}/{b} {totals[a] / totals[b]:.3f}" for a, b in pairs))
         rows.append(
             f"| {name} | {workers} | "
             + " | ".join(f"{totals[v]:.3f}" for v in totals)
             + f" | {bound:.3f} | "
-            + " | ".join(f"{totals[a] / totals[b]:.2f}" for a, b in RATIOS if a in totals and b in totals)
+            + " | ".join(f"{totals[a] / totals[b]:.2f}" for a, b in pairs)
             + " |"
         )
     if args.markdown:
-        ratio_names = [f"{a.upper()}/{b.upper()}" for a, b in RATIOS if a in totals and b in totals]
+        ratio_names = [f"{a.upper()}/{b.upper()}" for a, b in ratio_pairs(totals)]
         print(f"\n| model | P | {' | '.join(v.upper() for v in totals)} | bound | {' | '.join(ratio_names)} |")
         print("|" + "---|" * (3 + len(totals) + len(ratio_names)))
         print("\n".join(rows))
@@ -344,9 +353,9 @@ def override(profile: Profile, change: str) -> None:
 RATIOS = (("spd", "d"), ("spd", "mpd"), ("mpd", "d"))
 
 
-def ratio_line(totals: dict[str, float]) -> str:
-    """Return 'spd/d 0.83  spd/mpd 0.91  mpd/d 0.92' for the pairs present in ``totals``."""
-    return "  ".join(f"{a}/{b} {totals[a] / totals[b]:.3f}" for a, b in RATIOS if a in totals and b in totals)
+def ratio_pairs(totals: dict[str, float]) -> list[tuple[str, str]]:
+    """Return the pairs of :data:`RATIOS` whose both variants were simulated."""
+    return [(a, b) for a, b in RATIOS if a in totals and b in totals]
 
 
 if __name__ == "__main__":
