@@ -7,7 +7,7 @@ import logging
 import sys
 
 from kfacflow import registry
-from kfacflow.config import load, to_yaml
+from kfacflow.config import check_out_dir, load, to_yaml
 from kfacflow.errors import UserError, did_you_mean
 
 USAGE = """Train a recipe. Recipes merge left to right, then key.sub=value overrides apply.
@@ -76,22 +76,28 @@ def main(argv: list[str] | None = None) -> int:
             print(to_yaml(cfg), end="")
             return 0
         from kfacflow.data import build_datasets, check_data, check_shard
-        from kfacflow.launch import self_launch, under_launcher
+        from kfacflow.launch import check_environment, launched_world_size, self_launch, under_launcher
+        from kfacflow.resume import check_before_start
         from kfacflow.worker import worker
 
+        check_environment()
+        if cfg.resume:  # a resumed run writes into its own folder, and must fit its checkpoint
+            check_before_start(cfg, launched_world_size() if under_launcher() else cfg.launch.nproc)
+        else:
+            check_out_dir(cfg.out_dir)
         check_data(cfg.data)
-        command = ["python", "run.py", *argv]
         if under_launcher() or cfg.launch.nproc == 1:
-            worker(to_yaml(cfg), command, announce=True)
+            worker(to_yaml(cfg), argv, announce=True)
         else:
             train_set, _, _ = build_datasets(cfg.data)  # before starting workers it could not feed
-            check_shard(len(train_set), cfg.launch.nproc, cfg.data.batch_size)  # type: ignore[arg-type]
-            results = self_launch(cfg.launch.nproc, worker, (to_yaml(cfg), command, False))
+            shard = (cfg.launch.nproc, cfg.data.batch_size, cfg.train.accumulate)
+            check_shard(len(train_set), *shard)  # type: ignore[arg-type]
+            results = self_launch(cfg.launch.nproc, worker, (to_yaml(cfg), argv, False))
             print(results[0], flush=True)
         return 0
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
-        return UserError.exit_code
+        return err.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -3,15 +3,74 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+import os
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, get_type_hints
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from kfacflow.errors import UserError
+from kfacflow.yamlfile import read_yaml
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric recipe key may take; NaN and the infinities are always out.
+
+    Kept in a field's ``metadata["range"]``; :func:`check` walks the schema and applies every one
+    (to each element of a list).
+    """
+
+    low: float
+    low_open: bool = False
+    """Whether ``low`` itself is out (``> low`` rather than ``>= low``)."""
+    high: float = math.inf
+    high_text: str = ""
+    """How to print ``high`` (e.g. ``2**63``)."""
+    hint: str = ""
+    """What the bounds mean, printed in brackets after the rule."""
+
+    def holds(self, value: float) -> bool:
+        """Whether ``value`` is finite and within the bounds (the upper one is always excluded)."""
+        if not math.isfinite(value):
+            return False
+        above = value > self.low if self.low_open else value >= self.low
+        return above and value < self.high
+
+    def check(self, key: str, value: float) -> None:
+        """Raise a :class:`UserError` naming ``key`` unless :meth:`holds`."""
+        if self.holds(value):
+            return
+        if math.isinf(self.high):
+            op = f"{'>' if self.low_open else '>='} {_number(self.low)}"
+            rule = f"a finite number {op}" if isinstance(value, float) else op
+        else:
+            opening = "(" if self.low_open else "["
+            rule = f"in {opening}{_number(self.low)}, {self.high_text or _number(self.high)})"
+        hint = f" ({self.hint})" if self.hint else ""
+        raise UserError(f"{key}={value} must be {rule}{hint}.")
+
+
+def at_least(low: float, hint: str = "") -> dict[str, Range]:
+    """Field metadata: the value must be ``>= low`` (and finite)."""
+    return {"range": Range(low, hint=hint)}
+
+
+def above(low: float, hint: str = "") -> dict[str, Range]:
+    """Field metadata: the value must be ``> low`` (and finite)."""
+    return {"range": Range(low, low_open=True, hint=hint)}
+
+
+def within(low: float, high: float, hint: str = "", high_text: str = "") -> dict[str, Range]:
+    """Field metadata: the value must be in ``[low, high)``."""
+    return {"range": Range(low, high=high, high_text=high_text, hint=hint)}
 
 
 @dataclass
@@ -30,23 +89,23 @@ class DataConfig:
     """A registry name (`--list dataset`)."""
     root: Optional[str] = None
     """Local folder for datasets read from disk (cifar10, imagefolder). Never downloaded."""
-    image_size: int = 0
+    image_size: int = field(default=0, metadata=at_least(0, "0 keeps the dataset's own size"))
     """Side of the square input image; 0 keeps the dataset's own (digits 8, cifar10 32, synthetic 224)."""
-    batch_size: int = 32
+    batch_size: int = field(default=32, metadata=at_least(1, "samples per worker per step"))
     """Samples per worker per step (the paper's convention)."""
-    eval_batch_size: int = 0
+    eval_batch_size: int = field(default=0, metadata=at_least(0, "0 means data.batch_size"))
     """Samples per worker per evaluation batch; 0 means ``batch_size``."""
-    num_classes: int = 1000
+    num_classes: int = field(default=1000, metadata=at_least(1))
     """Classes of the synthetic dataset (others know their own)."""
-    channels: int = 3
+    channels: int = field(default=3, metadata=at_least(1))
     """Image channels of the synthetic dataset."""
-    train_size: int = 1024
+    train_size: int = field(default=1024, metadata=at_least(1))
     """Training samples of the synthetic dataset."""
-    val_size: int = 256
+    val_size: int = field(default=256, metadata=at_least(1))
     """Validation samples of the synthetic dataset."""
     augment: bool = True
     """Random crops and flips on training images (cifar10, imagefolder)."""
-    workers: int = 0
+    workers: int = field(default=0, metadata=at_least(0, "0 loads data in the training process"))
     """DataLoader worker processes per training process."""
 
 
@@ -54,30 +113,33 @@ class DataConfig:
 class TrainConfig:
     """Length of the run, numerics, logging and checkpoints."""
 
-    epochs: int = 1
+    epochs: int = field(default=1, metadata=at_least(1))
     """Passes over the training set."""
-    steps: int = 0
+    steps: int = field(default=0, metadata=at_least(0, "0 means: use train.epochs"))
     """Stop after this many optimizer steps in total; wins over ``epochs`` when > 0."""
-    seed: int = 0
+    seed: int = field(default=0, metadata=within(0, 2**63, high_text="2**63"))
     """Seeds model initialisation, data order and every random number generator."""
     dtype: Literal["float32", "float64"] = "float32"
     """Parameter and data precision; float64 is for exactness checks."""
-    log_every: int = 10
+    log_every: int = field(default=10, metadata=at_least(1, "steps between scalar writes"))
     """Steps between TensorBoard scalar writes."""
-    eval_every: int = 1
+    eval_every: int = field(default=1, metadata=at_least(1, "epochs between evaluations"))
     """Epochs between evaluations on the validation set (the final one always runs)."""
-    checkpoint_every: int = 0
+    checkpoint_every: int = field(default=0, metadata=at_least(0, "0 checkpoints at the end of each epoch only"))
     """Steps between checkpoints; 0 checkpoints at the end of each epoch only."""
-    keep_checkpoints: int = 2
-    """Newest checkpoints kept on disk."""
+    keep_checkpoints: int = field(default=2, metadata=at_least(0, "0 keeps every checkpoint"))
+    """Newest checkpoints kept on disk; 0 keeps every checkpoint."""
     progress: bool = True
     """Show a progress bar on rank 0."""
-    max_nonfinite: int = 5
+    max_nonfinite: int = field(default=5, metadata=at_least(1))
     """Steps in a row with a non-finite loss or gradient (each skipped on every rank) before training stops."""
-    timing_warmup: int = 2
+    timing_warmup: int = field(default=2, metadata=at_least(0))
     """First steps left out of the mean time breakdown and the median step time in summary.json."""
-    timeline: int = 0
+    timeline: int = field(default=0, metadata=at_least(0, "0 is off"))
     """Record step N (from 1) of every rank as timeline.json (Chrome trace) and timeline.png; 0 is off."""
+    accumulate: int = field(default=1, metadata=at_least(1, "1 is no accumulation"))
+    """Micro-batches of data.batch_size per optimizer step (gradient accumulation): factors and gradients
+    are those of one batch accumulate times larger."""
 
 
 @dataclass
@@ -86,11 +148,14 @@ class OptimConfig:
 
     name: str = "sgd"
     """A registry name (`--list optimizer`)."""
-    lr: float = 0.1
+    lr: float = field(default=0.1, metadata=above(0))
     """Base learning rate (before the schedule)."""
-    momentum: float = 0.9
+    momentum: float = field(default=0.9, metadata=within(0, 1))
+    """Momentum factor, in [0, 1); 0 is plain SGD."""
     nesterov: bool = False
-    weight_decay: float = 0.0
+    """Nesterov momentum; needs ``momentum`` > 0."""
+    weight_decay: float = field(default=0.0, metadata=at_least(0, "0 is none"))
+    """L2 penalty added to the gradient."""
 
 
 @dataclass
@@ -99,11 +164,11 @@ class ScheduleConfig:
 
     name: str = "constant"
     """A registry name (`--list schedule`)."""
-    warmup_epochs: float = 0.0
+    warmup_epochs: float = field(default=0.0, metadata=at_least(0, "0 is no warm-up"))
     """Linear warm-up from 0 to ``optim.lr`` over this many epochs (any schedule)."""
-    milestones: list[float] = field(default_factory=list)
+    milestones: list[float] = field(default_factory=list, metadata=at_least(0, "epochs from the start"))
     """Epochs at which the ``step`` schedule multiplies the rate by ``gamma``."""
-    gamma: float = 0.1
+    gamma: float = field(default=0.1, metadata=above(0, "the step schedule's factor"))
     """Factor of the ``step`` schedule."""
 
 
@@ -111,9 +176,9 @@ class ScheduleConfig:
 class LaunchConfig:
     """How many local worker processes ``run.py`` starts when no launcher started it."""
 
-    nproc: int = 1
+    nproc: int = field(default=1, metadata=at_least(1, "workers to start on this machine"))
     """Local workers; 1 runs in this process. Ignored under torchrun/horovodrun."""
-    threads: int = 0
+    threads: int = field(default=0, metadata=at_least(0, "0 means: the default"))
     """Intra-op threads per worker; 0 takes OMP_NUM_THREADS if set, else divides the cores among local workers."""
 
 
@@ -125,7 +190,7 @@ class DistConfig:
     """A registry name (`--list backend`)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto`` uses CUDA (and NCCL) when available, otherwise CPU and gloo."""
-    timeout_s: int = 300
+    timeout_s: int = field(default=300, metadata=at_least(1, "seconds a collective may wait"))
     """Seconds a collective may wait before the job fails instead of hanging."""
 
 
@@ -145,21 +210,21 @@ class KFACConfig:
     """How a damped factor is inverted (`--list inverse`); empty takes the variant's."""
     precondition: str = "kfac"
     """How gradients are preconditioned (`--list precondition`)."""
-    damping: float = 0.001
+    damping: float = field(default=0.001, metadata=above(0, "Tikhonov damping keeps factors invertible"))
     """Tikhonov damping gamma added to both factors before inversion."""
-    factor_decay: float = 0.95
+    factor_decay: float = field(default=0.95, metadata=within(0, 1, "the old factor's weight in the running average"))
     """Running-average weight of the old factor, in [0, 1)."""
-    kl_clip: float = 0.001
+    kl_clip: float = field(default=0.001, metadata=at_least(0, "0 disables clipping"))
     """Scale the update so lr^2 * sum(v . g) <= kl_clip; 0 disables."""
-    factor_update_freq: int = 1
+    factor_update_freq: int = field(default=1, metadata=at_least(1, "steps between factor updates"))
     """Steps between factor updates."""
-    inv_update_freq: int = 1
+    inv_update_freq: int = field(default=1, metadata=at_least(1, "steps between inverse updates"))
     """Steps between inverse updates; a multiple of ``factor_update_freq``."""
-    fusion_threshold_mb: float = 64.0
+    fusion_threshold_mb: float = field(default=64.0, metadata=above(0, "MiB"))
     """Fusion buffer of the ``threshold`` policy, in MiB (Horovod's default)."""
     profile: Optional[str] = None
     """Performance-model profile (tools/fit_perf_models.py); empty calibrates at start when needed."""
-    profile_steps: int = 5
+    profile_steps: int = field(default=5, metadata=at_least(1))
     """Factor-update steps the ``optimal`` fusion measures (after one warm-up step) before fixing its plan."""
     skip: list[str] = field(default_factory=list)
     """fnmatch patterns of module names K-FAC leaves alone (e.g. ``fc``, ``layer4.*``)."""
@@ -198,6 +263,9 @@ def _omegaconf_message(err: OmegaConfBaseException, where: str) -> str:
         return f"{where}: '{section}' is a section, not a value; set its keys instead, e.g. {section}.{first}=..."
     if "is not a ListConfig" in msg:
         return f"{where}: '{key}' takes a list, e.g. {key}=[a,b]."
+    if isinstance(err, ValidationError) and msg.startswith("Incompatible value 'None'"):
+        kind = msg.rsplit("of type ", 1)[-1].strip("'")
+        return f"{where}: '{key}' is empty but takes a {kind}; give a value, e.g. {key}=VALUE."
     if isinstance(err, ValidationError):
         return f"{where}: bad value for '{key}': {msg}"
     return f"{where}: '{key}': {msg}"
@@ -212,18 +280,15 @@ def _merge(base: DictConfig, other: object, where: str) -> DictConfig:
     return merged
 
 
-def _read_yaml(path: str) -> object:
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"recipe {path!r} does not exist. Recipes shipped: recipes/*.yaml")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as err:
-        raise UserError(f"recipe {path!r} is not valid YAML: {str(err).splitlines()[0]}") from None
+def _read_recipe(path: str) -> object:
+    where = f"recipe {path!r}"
+    if not os.path.exists(path):
+        raise UserError(f"{where} does not exist. Recipes shipped: recipes/*.yaml")
+    data = read_yaml(path, where, "a YAML file such as recipes/quickstart.yaml")
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise UserError(f"recipe {path!r} must be a mapping of keys, not {type(data).__name__}.")
+        raise UserError(f"{where} must be a mapping of keys, not {type(data).__name__}.")
     return data
 
 
@@ -260,9 +325,9 @@ def load(recipes: list[str], overrides: list[str]) -> DictConfig:
         saved = Path(str(resume)) / "config.yaml"
         if not saved.is_file():
             raise UserError(f"resume: {resume!r} has no config.yaml; give the run folder printed at the end of a run.")
-        cfg = _merge(cfg, _read_yaml(str(saved)), str(saved))
+        cfg = _merge(cfg, _read_recipe(str(saved)), str(saved))
     for path in recipes:
-        cfg = _merge(cfg, _read_yaml(path), path)
+        cfg = _merge(cfg, _read_recipe(path), path)
     cfg = _merge(cfg, dot, "override")
     if not cfg.name:
         cfg.name = Path(recipes[0]).stem if recipes else "run"
@@ -270,13 +335,58 @@ def load(recipes: list[str], overrides: list[str]) -> DictConfig:
     return cfg
 
 
-def _positive(value: float, key: str, what: str = "must be > 0") -> None:
-    if not (value > 0 and math.isfinite(value)):
-        raise UserError(f"{key}={value} {what}.")
+def _check_ranges(node: DictConfig, cls: type, prefix: str = "") -> None:
+    """Apply every field's ``metadata["range"]`` of the dataclass ``cls`` (and its sections) to ``node``."""
+    hints = get_type_hints(cls)
+    for f in fields(cls):
+        key, value = f"{prefix}{f.name}", node[f.name]
+        if is_dataclass(hints[f.name]):
+            _check_ranges(value, hints[f.name], f"{key}.")
+        elif "range" in f.metadata:
+            rule: Range = f.metadata["range"]
+            if isinstance(value, ListConfig):
+                for i, item in enumerate(value):
+                    rule.check(f"{key}[{i}]", item)
+            else:
+                rule.check(key, value)
+
+
+def _check_name(name: str) -> None:
+    if not name.strip() or name.strip() in (".", "..") or any(c in name for c in "/\\\0"):
+        raise UserError(
+            f"name={name!r} must be a plain folder name (no '/', '\\', '.' or '..'); out_dir decides where "
+            "runs go, e.g. out_dir=runs/study name=trial1."
+        )
+
+
+def check_out_dir(out_dir: str) -> None:
+    """Check that run folders can be created under ``out_dir``, creating nothing.
+
+    The nearest existing folder on the way to ``out_dir`` (``out_dir`` itself if it exists) must
+    be a folder this process may write to.
+
+    Raises:
+        UserError: Naming ``out_dir``.
+    """
+    path = Path(out_dir).absolute()
+    while not os.path.exists(path) and path != path.parent:
+        path = path.parent
+    if not path.is_dir():
+        raise UserError(
+            f"out_dir={out_dir!r} cannot hold run folders: {str(path)!r} is a file, not a folder; "
+            "set out_dir to a folder (it is created if missing)."
+        )
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UserError(
+            f"out_dir={out_dir!r} cannot hold run folders: {str(path)!r} is not writable; "
+            "set out_dir to a folder you can write to."
+        )
 
 
 def check(cfg: DictConfig) -> None:
-    """Cross-field and registry checks that the types alone cannot express.
+    """Range, cross-field and registry checks that the types alone cannot express.
+
+    Every numeric key is checked against the ``Range`` in its field's metadata.
 
     Raises:
         UserError: Naming the key to change.
@@ -302,42 +412,22 @@ def check(cfg: DictConfig) -> None:
     from kfacflow.models import check_name
 
     check_name(cfg.model.name)
-    _positive(cfg.data.batch_size, "data.batch_size")
-    _positive(cfg.train.log_every, "train.log_every")
-    _positive(cfg.train.eval_every, "train.eval_every")
-    _positive(cfg.train.max_nonfinite, "train.max_nonfinite")
-    for key in (
-        "data.eval_batch_size",
-        "data.workers",
-        "launch.threads",
-        "train.checkpoint_every",
-        "train.timing_warmup",
-        "train.timeline",
-    ):
-        if OmegaConf.select(cfg, key) < 0:
-            raise UserError(f"{key}={OmegaConf.select(cfg, key)} must be >= 0 (0 means: the default).")
-    _positive(cfg.optim.lr, "optim.lr")
-    _positive(cfg.launch.nproc, "launch.nproc", "must be >= 1 (workers to start on this machine)")
-    if cfg.train.steps < 0 or cfg.train.epochs < 1:
-        raise UserError("train.epochs must be >= 1 and train.steps >= 0 (0 means: use epochs).")
-    _positive(k.damping, "kfac.damping", "must be > 0 (Tikhonov damping keeps factors invertible)")
-    if not 0 <= k.factor_decay < 1:
-        raise UserError(f"kfac.factor_decay={k.factor_decay} must be in [0, 1).")
-    if k.kl_clip < 0:
-        raise UserError(f"kfac.kl_clip={k.kl_clip} must be >= 0 (0 disables clipping).")
-    _positive(k.factor_update_freq, "kfac.factor_update_freq")
-    _positive(k.inv_update_freq, "kfac.inv_update_freq")
-    _positive(k.fusion_threshold_mb, "kfac.fusion_threshold_mb")
-    _positive(k.profile_steps, "kfac.profile_steps")
-    if k.profile:
-        from kfacflow.perf import Profile
-
-        Profile.load(k.profile)
+    _check_ranges(cfg, RunConfig)
+    _check_name(cfg.name)
+    if cfg.optim.nesterov and cfg.optim.momentum <= 0:
+        raise UserError(
+            f"optim.nesterov=true needs optim.momentum > 0 (it is {cfg.optim.momentum}); "
+            "set optim.momentum (e.g. 0.9) or optim.nesterov=false."
+        )
     if k.inv_update_freq % k.factor_update_freq:
         raise UserError(
             f"kfac.inv_update_freq={k.inv_update_freq} must be a multiple of "
             f"kfac.factor_update_freq={k.factor_update_freq}."
         )
+    if k.profile:
+        from kfacflow.perf import Profile
+
+        Profile.load(k.profile)
     if cfg.resume:
         from kfacflow.rundir import CHECKPOINTS, checkpoints
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 import logging
 import math
 import pickle
+import struct
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -15,7 +18,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset, TensorDataset
 
 from kfacflow.config import DataConfig
-from kfacflow.errors import UserError
+from kfacflow.errors import DataError, UserError
 from kfacflow.registry import DATASETS
 
 logger = logging.getLogger(__name__)
@@ -61,17 +64,22 @@ def check_data(cfg: DataConfig) -> None:
         check(cfg)
 
 
-def check_shard(samples: int, world: int, batch: int) -> None:
-    """Check that each of ``world`` workers gets at least one full batch of the ``samples``.
+def check_shard(samples: int, world: int, batch: int, accumulate: int = 1) -> None:
+    """Check that each of ``world`` workers gets at least one step (``accumulate`` batches) of the ``samples``.
 
     Raises:
-        UserError: Naming ``data.batch_size`` and the worker count to change.
+        UserError: Naming ``data.batch_size`` (and ``train.accumulate``) and the worker count to change.
     """
     per_rank = math.ceil(samples / world)
-    if per_rank < batch:
+    if per_rank < batch * accumulate:
+        if accumulate == 1:
+            what, lower = f"data.batch_size={batch} is", "data.batch_size"
+        else:
+            what = f"data.batch_size={batch} x train.accumulate={accumulate} = {batch * accumulate} samples a step are"
+            lower = "data.batch_size, train.accumulate"
         raise UserError(
-            f"data.batch_size={batch} is more than the {per_rank} training samples each of {world} workers "
-            "gets; lower data.batch_size or the number of workers (launch.nproc)."
+            f"{what} more than the {per_rank} training samples each of {world} workers gets; lower {lower} "
+            "or the number of workers (launch.nproc)."
         )
 
 
@@ -181,17 +189,45 @@ def _cifar_dir(root: str | None) -> Path:
     )
 
 
-def _read_cifar(folder: Path, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+def _read_cifar(folder: Path, names: tuple[str, ...], root: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     xs, ys = [], []
     for name in names:
-        with open(folder / name, "rb") as fh:
+        x, y = _read_cifar_batch(folder / name, root)
+        xs.append(x)
+        ys.append(y)
+    return torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys))
+
+
+def _read_cifar_batch(path: Path, root: str | None) -> tuple[np.ndarray, np.ndarray]:
+    """Read one CIFAR-10 python batch; a corrupt, truncated or wrongly shaped one is a :class:`UserError`."""
+
+    def bad(why: str) -> UserError:
+        return UserError(
+            f"data.root={root!r}: {str(path)!r} is not a readable CIFAR-10 python batch ({why}); replace it "
+            "with the file from cifar-10-python.tar.gz."
+        )
+
+    try:
+        with open(path, "rb") as fh:
             # The official batches are Python 2 pickles; bytes keys keep them readable on Python 3.
             batch = pickle.load(fh, encoding="bytes")
-        if not isinstance(batch, dict) or b"data" not in batch or b"labels" not in batch:
-            raise UserError(f"data.root: {folder / name} is not a CIFAR-10 python batch (no data/labels).")
-        xs.append(np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
-        ys.append(np.asarray(batch[b"labels"], dtype=np.int64))
-    return torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys))
+    except OSError as err:
+        raise bad(err.strerror or type(err).__name__) from None
+    except Exception as err:  # noqa: BLE001 - a damaged pickle raises almost anything (EOFError, UnpicklingError, ...)
+        raise bad(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'damaged'}") from None
+    if not isinstance(batch, dict) or b"data" not in batch or b"labels" not in batch:
+        raise bad("no data/labels")
+    try:
+        data = np.asarray(batch[b"data"], dtype=np.uint8)
+        labels = np.asarray(batch[b"labels"], dtype=np.int64)
+    except (TypeError, ValueError, OverflowError) as err:
+        raise bad(f"data/labels are not numbers: {str(err).splitlines()[0]}") from None
+    rows = data.size // 3072
+    if data.size == 0 or data.size % 3072 or labels.shape != (rows,):
+        raise bad(f"{data.size} data bytes and {labels.size} labels; expected 3072 bytes per label")
+    if labels.min() < 0 or labels.max() > 9:
+        raise bad("labels outside 0..9")
+    return data.reshape(-1, 3, 32, 32), labels
 
 
 class TransformedImages(Dataset):
@@ -231,8 +267,8 @@ def _cifar10(cfg: DataConfig) -> tuple[Dataset, Dataset, DataInfo]:
     tail += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(CIFAR_MEAN, CIFAR_STD), v2.ToPureTensor()]
     aug = [v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip()] if cfg.augment else []
     train_tf, val_tf = v2.Compose([*aug, *tail]), v2.Compose(tail)
-    x_tr, y_tr = _read_cifar(folder, CIFAR_TRAIN_FILES)
-    x_te, y_te = _read_cifar(folder, ("test_batch",))
+    x_tr, y_tr = _read_cifar(folder, CIFAR_TRAIN_FILES, cfg.root)
+    x_te, y_te = _read_cifar(folder, ("test_batch",), cfg.root)
     info = DataInfo(num_classes=10, channels=3, image_size=size)
     return TransformedImages(x_tr, y_tr, train_tf), TransformedImages(x_te, y_te, val_tf), info
 
@@ -259,6 +295,43 @@ def _check_imagefolder(cfg: DataConfig) -> None:
         raise UserError(f"data.root={cfg.root!r}: train/ and val/ must hold the same class sub-folders.")
 
 
+class ImageLoader:
+    """ImageFolder's loader: an image that cannot be decoded is a :class:`DataError` naming it and ``data.root``.
+
+    A class rather than a closure so that DataLoader worker processes can receive it.
+
+    Args:
+        root: ``data.root`` as the recipe gives it (for the message).
+    """
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def __call__(self, path: str) -> Any:
+        """Return the image at ``path`` as RGB."""
+        from PIL import Image
+
+        try:
+            with open(path, "rb") as fh:
+                return Image.open(fh).convert("RGB")
+        except (
+            OSError,
+            SyntaxError,
+            ValueError,
+            EOFError,
+            struct.error,
+            zlib.error,
+            Image.DecompressionBombError,
+        ) as err:
+            if isinstance(err, Image.UnidentifiedImageError):
+                why = "not an image format PIL can decode"
+            else:
+                why = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise DataError(
+                f"data.root={self.root!r}: image {path!r} cannot be read ({why}); replace or remove it."
+            ) from None
+
+
 @DATASETS.register("imagefolder", "torchvision ImageFolder on data.root/{train,val} (ImageNet layout)")
 def _imagefolder(cfg: DataConfig) -> tuple[Dataset, Dataset, DataInfo]:
     from torchvision.datasets import ImageFolder
@@ -279,8 +352,9 @@ def _imagefolder(cfg: DataConfig) -> tuple[Dataset, Dataset, DataInfo]:
         head = [v2.Resize(size, antialias=True), v2.CenterCrop(size)]
     val_head = [v2.Resize(int(size * 256 / 224), antialias=True), v2.CenterCrop(size)]
     try:
-        train = ImageFolder(str(base / "train"), transform=v2.Compose([*head, *tail]))
-        val = ImageFolder(str(base / "val"), transform=v2.Compose([*val_head, *tail]))
+        load = ImageLoader(str(cfg.root))
+        train = ImageFolder(str(base / "train"), transform=v2.Compose([*head, *tail]), loader=load)
+        val = ImageFolder(str(base / "val"), transform=v2.Compose([*val_head, *tail]), loader=load)
     except FileNotFoundError as err:
         raise UserError(f"data.root={cfg.root!r}: {str(err).splitlines()[0]}") from None
     return train, val, DataInfo(num_classes=len(train.classes), channels=3, image_size=size)

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shlex
+import signal
 import sys
+import tempfile
+import time
 import uuid
+from pathlib import Path
 from typing import Any
 
-from kfacflow.errors import UserError
+from kfacflow.errors import StorageError, TrainingError, UserError
 
 logger = logging.getLogger(__name__)
 
@@ -27,9 +33,115 @@ def under_mpi_launcher() -> bool:
     return any(var in os.environ for var in MPI_RANK_VARS)
 
 
+def launched_world_size() -> int:
+    """Return the job's world size as the launcher set it (torchrun, horovodrun, mpirun)."""
+    for var in ("WORLD_SIZE", "HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 1
+
+
 def under_launcher() -> bool:
     """Return whether an external launcher (torchrun, horovodrun, mpirun) started this process."""
     return ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or under_mpi_launcher()
+
+
+FAILURES_VAR = "KFACFLOW_FAILURES"
+"""A folder where each failing worker of a self-launched job notes when and how it failed."""
+HANDLED_CODES = (UserError.exit_code, TrainingError.exit_code, StorageError.exit_code)
+"""Exit codes of workers that printed their own ``error:`` line."""
+LAUNCHERS = ("torchrun", "horovodrun", "torch.distributed.run")
+
+
+def check_environment() -> None:
+    """Refuse a launcher environment that cannot be a job: a stale or half-set ``RANK``/``WORLD_SIZE``.
+
+    Raises:
+        UserError: Naming the variables and what to do.
+    """
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if rank is None and world is None:
+        return
+    fix = "unset RANK WORLD_SIZE to train on this machine, or start the job with torchrun"
+    if rank is None or world is None:
+        raise UserError(f"only one of RANK and WORLD_SIZE is set (RANK={rank}, WORLD_SIZE={world}); {fix}.")
+    if not (rank.isdigit() and world.isdigit() and int(world) >= 1 and int(rank) < int(world)):
+        raise UserError(f"RANK={rank} and WORLD_SIZE={world} do not describe a job (0 <= RANK < WORLD_SIZE); {fix}.")
+    joinable = os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")
+    if "TORCHELASTIC_RUN_ID" not in os.environ and not joinable:
+        raise UserError(
+            f"RANK={rank} and WORLD_SIZE={world} are set but MASTER_ADDR/MASTER_PORT are not: a stale environment "
+            f"from another job? {fix}."
+        )
+
+
+def launcher_command() -> list[str] | None:
+    """Return the command line of the torchrun or horovodrun process above this one, if it runs on this machine."""
+    pid = os.getppid()
+    for _ in range(8):
+        try:
+            args = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return None
+        for i, arg in enumerate(args):
+            if Path(arg).name in LAUNCHERS[:2]:
+                return [Path(arg).name, *args[i + 1 :]]
+            if arg == "-m" and i + 1 < len(args) and args[i + 1] == LAUNCHERS[2]:
+                return ["python", *args[i:]]
+        pid = int(stat.rsplit(")", 1)[1].split()[1])
+        if pid <= 1:
+            return None
+    return None
+
+
+def command_line(argv: list[str]) -> list[str]:
+    """Return the command that started this job: the launcher's, or ``python run.py ARGS``."""
+    launcher = launcher_command() if under_launcher() else None
+    return launcher or ["python", "run.py", *argv]
+
+
+def continue_command(run_dir: Path, argv: list[str]) -> str:
+    """Return the command that resumes ``run_dir`` the way this job was launched."""
+    command = command_line(argv)
+    script = next((i for i, a in enumerate(command) if a.endswith(".py")), None)
+    if script is None:
+        return f"the same launcher command, with run.py resume={run_dir}"
+    return shlex.join([*command[: script + 1], f"resume={run_dir}"])
+
+
+def note_failure(rank: int, code: int, secondary: bool) -> None:
+    """Tell the self-launching parent when and how this worker failed (no-op under other launchers)."""
+    folder = os.environ.get(FAILURES_VAR)
+    if not folder:
+        return
+    record = {"time": time.time(), "code": code, "secondary": secondary}
+    try:
+        Path(folder, f"{rank}.json").write_text(json.dumps(record))
+    except OSError:
+        pass  # the parent then judges by exit codes alone
+
+
+def _root_failure(failures: dict[int, Any], folder: Path) -> tuple[int, int, int | None]:
+    """Return (rank, exit code, pid if known) of the failure that caused the others.
+
+    torch's launcher reports one failed worker, not necessarily the first: the notes the workers
+    left decide. The earliest worker that failed on its own wins; a worker that only lost contact
+    with a failed peer never does; a worker killed by a signal leaves no note.
+    """
+    notes: dict[int, dict[str, Any]] = {}
+    for path in folder.glob("*.json"):
+        try:
+            notes[int(path.stem)] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+    first = sorted((note["time"], rank) for rank, note in notes.items() if not note["secondary"])
+    if first:
+        rank = first[0][1]
+        return rank, int(notes[rank]["code"]), getattr(failures.get(rank), "pid", None)
+    killed = [rank for rank, failure in failures.items() if failure.exitcode < 0 or rank not in notes]
+    rank = killed[0] if killed else min(failures)
+    return rank, failures[rank].exitcode, failures[rank].pid
 
 
 def self_launch(nproc: int, entry: Any, args: tuple[Any, ...]) -> dict[int, Any]:
@@ -66,17 +178,22 @@ def self_launch(nproc: int, entry: Any, args: tuple[Any, ...]) -> dict[int, Any]
         start_method="spawn",
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
-    try:
-        result: dict[int, Any] = elastic_launch(config, entry)(*args)
-        return result
-    except SignalException as err:
-        # The agent forwarded the signal; the workers checkpoint, say how to resume, and exit.
-        raise SystemExit(128 + int(err.sigval)) from None
-    except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
-        code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
-        if code != UserError.exit_code:
-            print(
-                f"error: worker {rank} failed with exit code {failure.exitcode}; see its output above.", file=sys.stderr
-            )
-        raise SystemExit(code) from None
+    with tempfile.TemporaryDirectory(prefix="kfacflow-failures-") as folder:
+        os.environ[FAILURES_VAR] = folder  # the spawned workers inherit it
+        try:
+            result: dict[int, Any] = elastic_launch(config, entry)(*args)
+            return result
+        except SignalException as err:
+            # The agent forwarded the signal; the workers checkpoint, say how to resume, and exit.
+            raise SystemExit(128 + int(err.sigval)) from None
+        except ChildFailedError as err:
+            rank, code, pid = _root_failure(err.failures, Path(folder))
+            if code < 0:
+                name = signal.Signals(-code).name if -code in signal.Signals.__members__.values() else str(-code)
+                print(f"error: worker {rank} (pid {pid}) was killed by {name} (out of memory?).", file=sys.stderr)
+                raise SystemExit(128 - code) from None
+            if code not in HANDLED_CODES and code <= 128:  # the others printed their own line
+                print(f"error: worker {rank} failed with exit code {code}; see its output above.", file=sys.stderr)
+            raise SystemExit(code or 1) from None
+        finally:
+            os.environ.pop(FAILURES_VAR, None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -16,7 +17,8 @@ import yaml
 from scipy.optimize import least_squares
 
 from kfacflow.dist.base import Backend
-from kfacflow.errors import UserError
+from kfacflow.errors import UserError, did_you_mean
+from kfacflow.yamlfile import read_yaml
 
 
 @dataclass
@@ -71,26 +73,106 @@ class Profile:
     def load(path: str | Path) -> Profile:
         """Read a profile written by :meth:`save` (or by hand: the three models are enough).
 
+        Every field is checked: ``allreduce`` and ``broadcast`` need ``alpha`` and ``beta``, finite
+        numbers >= 0; ``inverse`` needs ``kind`` (``exp`` or ``cubic``) and finite ``alpha`` and
+        ``beta`` (``alpha`` > 0 for ``exp``); ``error`` is optional, finite and >= 0. A number YAML
+        reads as text (``1e-5``, which has no dot) is taken as the number.
+
         Raises:
-            UserError: If the file is missing or malformed, naming what is wrong.
+            UserError: One line naming the file and the field: missing, unreadable, not UTF-8, not
+                YAML, not a mapping, a section or key missing or unknown, or a value out of range.
         """
-        p = Path(path)
-        if not p.is_file():
-            raise UserError(f"kfac.profile: {str(path)!r} does not exist; write one with tools/fit_perf_models.py.")
-        try:
-            raw = yaml.safe_load(p.read_text())
-            return Profile(
-                allreduce=LinearModel(**raw["allreduce"]),
-                broadcast=LinearModel(**raw["broadcast"]),
-                inverse=InverseModel(**raw["inverse"]),
-                meta=dict(raw.get("meta") or {}),
-                samples=dict(raw.get("samples") or {}),
+        where = f"kfac.profile: {str(path)!r}"
+        if not os.path.exists(path):
+            raise UserError(f"{where} does not exist; write one with tools/fit_perf_models.py.")
+        raw = read_yaml(path, where, "the YAML file tools/fit_perf_models.py writes")
+        if not isinstance(raw, dict):
+            raise UserError(f"{where} must be a mapping, not {type(raw).__name__}; {_NEEDS}.")
+        _no_unknown_keys(raw, (*_SECTIONS, "meta", "samples"), where, "")
+        sections = {}
+        for name, keys in _SECTIONS.items():
+            section = raw.get(name)
+            if not isinstance(section, dict):
+                what = "has no" if section is None else "has a malformed"
+                raise UserError(f"{where} {what} '{name}' section; {_NEEDS}.")
+            _no_unknown_keys(section, keys, where, f"{name}.")
+            sections[name] = section
+        allreduce, broadcast = (
+            LinearModel(
+                alpha=_field(sections[name], name, "alpha", where, "seconds per message"),
+                beta=_field(sections[name], name, "beta", where, "seconds per element"),
+                error=_field(sections[name], name, "error", where, "relative error of the fit", 0.0),
             )
-        except (yaml.YAMLError, KeyError, TypeError, AttributeError) as err:
+            for name in ("allreduce", "broadcast")
+        )
+        inv = sections["inverse"]
+        kind = inv.get("kind")
+        if kind is None:
+            raise UserError(f"{where}: 'inverse.kind' is missing; {_NEEDS}.")
+        if kind not in ("exp", "cubic"):
             raise UserError(
-                f"kfac.profile: {str(path)!r} is not a valid profile ({type(err).__name__}: {err}); it needs "
-                "allreduce/broadcast {alpha, beta} and inverse {kind, alpha, beta}."
-            ) from None
+                f"{where}: inverse.kind={kind!r} must be 'exp' (alpha * exp(beta * d)) or 'cubic' (alpha + beta * d^3)."
+            )
+        exp = kind == "exp"
+        inverse = InverseModel(
+            kind=kind,
+            alpha=_field(inv, "inverse", "alpha", where, "seconds", low=0.0 if exp else None, low_open=exp),
+            beta=_field(inv, "inverse", "beta", where, "per d" if exp else "seconds per d^3", low=None),
+            error=_field(inv, "inverse", "error", where, "relative error of the fit", 0.0),
+        )
+        extra = {}
+        for name in ("meta", "samples"):
+            value = raw.get(name) or {}
+            if not isinstance(value, dict) or (
+                name == "samples" and not all(isinstance(v, list) for v in value.values())
+            ):
+                want = "a mapping" if name == "meta" else "a mapping of lists of [size, seconds]"
+                raise UserError(f"{where}: '{name}' must be {want}; write the profile with tools/fit_perf_models.py.")
+            extra[name] = dict(value)
+        return Profile(allreduce, broadcast, inverse, meta=extra["meta"], samples=extra["samples"])
+
+
+_SECTIONS = {
+    "allreduce": ("alpha", "beta", "error"),
+    "broadcast": ("alpha", "beta", "error"),
+    "inverse": ("kind", "alpha", "beta", "error"),
+}
+_NEEDS = "a profile needs allreduce/broadcast {alpha, beta} and inverse {kind, alpha, beta}"
+
+
+def _no_unknown_keys(mapping: dict[Any, Any], allowed: tuple[str, ...], where: str, prefix: str) -> None:
+    for key in mapping:
+        if key not in allowed:
+            hint = did_you_mean(str(key), allowed)
+            raise UserError(f"{where}: unknown key '{prefix}{key}'.{hint} Known keys: {', '.join(allowed)}.")
+
+
+def _field(
+    section: dict[str, Any],
+    name: str,
+    key: str,
+    where: str,
+    what: str,
+    default: float | None = None,
+    low: float | None = 0.0,
+    low_open: bool = False,
+) -> float:
+    """Return ``section[key]`` as a finite float (``> low`` or ``>= low`` unless ``low`` is None)."""
+    if key not in section:
+        if default is not None:
+            return default
+        raise UserError(f"{where}: '{name}.{key}' is missing; {_NEEDS}.")
+    value = section[key]
+    number = math.nan
+    if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except ValueError:
+            pass
+    bound = "" if low is None else f" {'>' if low_open else '>='} {low:g}"
+    if math.isfinite(number) and (low is None or (number > low if low_open else number >= low)):
+        return number
+    raise UserError(f"{where}: {name}.{key}={value!r} must be a finite number{bound} ({what}).")
 
 
 def _rel_rms(pred: np.ndarray, y: np.ndarray) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kfacflow.errors import UserError
+from kfacflow.errors import StorageError, UserError
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +24,11 @@ _CKPT = re.compile(r"step_(\d+)\.pt$")
 
 
 def new_run_dir(out_dir: str, name: str) -> Path:
-    """Create and return a fresh ``out_dir/name/<timestamp>`` folder (suffixed if taken)."""
+    """Create and return a fresh ``out_dir/name/<timestamp>`` folder (suffixed if taken).
+
+    Raises:
+        UserError: If the folder cannot be created (naming ``out_dir``).
+    """
     stamp = time.strftime("%Y%m%d-%H%M%S")
     base = Path(out_dir) / name
     for k in range(1000):
@@ -32,14 +37,25 @@ def new_run_dir(out_dir: str, name: str) -> Path:
             path.mkdir(parents=True)
             return path
         except FileExistsError:
-            continue
-    raise RuntimeError(f"could not create a run folder under {base}")
+            if path.is_dir():
+                continue
+            raise UserError(f"out_dir={out_dir!r}: {path} exists and is not a folder; choose another.") from None
+        except OSError as err:
+            raise UserError(f"out_dir={out_dir!r}: cannot create {path} ({err.strerror}); choose another.") from None
+    raise UserError(f"out_dir={out_dir!r}: 1000 run folders named {stamp} already exist under {base}.")
 
 
-def write_metadata(run_dir: Path, config_yaml: str, argv: list[str]) -> None:
-    """Write the resolved config, the command line and the library versions."""
+def write_metadata(run_dir: Path, config_yaml: str, argv: list[str], resumed: bool = False) -> None:
+    """Write the resolved config, the command line (appended on resume) and the library versions.
+
+    Raises:
+        StorageError: If the run folder cannot be written.
+    """
     write_atomic(run_dir / "config.yaml", config_yaml.encode())
-    write_atomic(run_dir / "command.txt", (" ".join(argv) + "\n").encode())
+    command = " ".join(argv) + "\n"
+    if resumed and (run_dir / "command.txt").is_file():
+        command = (run_dir / "command.txt").read_text(errors="replace") + command
+    write_atomic(run_dir / "command.txt", command.encode())
     versions = {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
@@ -54,30 +70,76 @@ def write_metadata(run_dir: Path, config_yaml: str, argv: list[str]) -> None:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the whole new one."""
+    """Write ``data`` to ``path`` so that readers see the old file or the whole new one.
+
+    Raises:
+        StorageError: If it cannot be written (the temporary file is removed, the old file stays).
+    """
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as err:  # Ctrl-C included: never leave the temporary file behind
+        tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError):
+            raise storage_error(path, err) from None
+        raise
+
+
+def storage_error(path: Path, err: BaseException) -> StorageError:
+    """Return the one-line error for a file of the run folder that could not be written."""
+    reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err).splitlines()[0]
+    if isinstance(err, OSError) and err.errno == errno.ENOSPC or "unexpected pos" in str(err):
+        reason = "no space left on the device (disk full)"
+    return StorageError(f"could not write {path}: {reason}. Free space or fix the folder, then resume.")
+
+
+def append_lines(path: Path, lines: list[str]) -> None:
+    """Append lines to a log file of the run folder.
+
+    Raises:
+        StorageError: If it cannot be written.
+    """
+    try:
+        with open(path, "a") as f:
+            f.writelines(lines)
+    except OSError as err:
+        raise storage_error(path, err) from None
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
-    """Write ``summary.json``."""
+    """Write ``summary.json``.
+
+    Raises:
+        StorageError: If it cannot be written.
+    """
     write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2).encode())
 
 
 def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:
-    """Atomically write ``checkpoints/step_<step>.pt`` and delete all but the newest ``keep``."""
+    """Atomically write ``checkpoints/step_<step>.pt`` and delete all but the newest ``keep`` (0 keeps all).
+
+    Raises:
+        StorageError: If the checkpoint cannot be written (disk full, permissions): the temporary
+            file is removed and the previous checkpoints stay as they were.
+    """
     folder = run_dir / CHECKPOINTS
-    folder.mkdir(exist_ok=True)
     path = folder / f"step_{step:08d}.pt"
     tmp = folder / f".{path.name}.tmp"
-    torch.save(state, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        folder.mkdir(exist_ok=True)
+        torch.save(state, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as err:  # Ctrl-C included: never leave the temporary file behind
+        tmp.unlink(missing_ok=True)
+        if isinstance(err, (OSError, RuntimeError)):  # torch.save reports a full disk as "... unexpected pos"
+            raise storage_error(path, err) from None
+        raise
     for old in checkpoints(run_dir)[:-keep] if keep > 0 else []:
         old.unlink(missing_ok=True)
     return path
@@ -92,7 +154,26 @@ def checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(_CKPT.search(p.name).group(1)))  # type: ignore[union-attr]
 
 
-def load_latest_checkpoint(run_dir: Path) -> dict[str, Any]:
+CHECKPOINT_KEYS = ("step", "world_size", "model", "optimizer", "scheduler", "kfac", "history", "rng")
+"""What every checkpoint holds; a file without them is not one of ours (or is damaged)."""
+
+
+def read_checkpoint(path: Path, quiet: bool = False) -> dict[str, Any] | None:
+    """Return the checkpoint at ``path``, or None (with a warning unless ``quiet``) if it is unreadable."""
+    try:
+        # quiet reads only look at the metadata: mmap leaves the tensors on disk until used.
+        state = torch.load(path, map_location="cpu", weights_only=False, mmap=quiet)
+        if not isinstance(state, dict) or any(key not in state for key in CHECKPOINT_KEYS):
+            raise ValueError("not a kfacflow checkpoint")
+    except Exception as err:  # noqa: BLE001 - any unreadable file falls back to the previous one
+        if not quiet:
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            logger.warning("checkpoint %s is unreadable (%s); trying the previous one", path, reason)
+        return None
+    return state
+
+
+def load_latest_checkpoint(run_dir: Path, quiet: bool = False) -> dict[str, Any]:
     """Return the newest readable checkpoint of ``run_dir``, skipping unreadable ones with a warning.
 
     Raises:
@@ -100,11 +181,10 @@ def load_latest_checkpoint(run_dir: Path) -> dict[str, Any]:
     """
     found = checkpoints(run_dir)
     for path in reversed(found):
-        try:
-            state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=False)
-            logger.info("resuming from %s", path)
+        state = read_checkpoint(path, quiet)
+        if state is not None:
+            if not quiet:
+                logger.info("resuming from %s", path)
             return state
-        except Exception as err:  # noqa: BLE001 - any unreadable file falls back to the previous one
-            logger.warning("checkpoint %s is unreadable (%s); trying the previous one", path, err)
     what = "no readable checkpoint" if found else "no checkpoint"
     raise UserError(f"resume: {str(run_dir)!r} has {what} in {CHECKPOINTS}/; start a new run without resume=.")

@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,7 +20,7 @@ from kfacflow import registry, rundir
 from kfacflow.config import RunConfig, to_yaml
 from kfacflow.dist.base import Backend
 from kfacflow.errors import UserError
-from kfacflow.launch import RANK_VARS
+from kfacflow.launch import RANK_VARS, command_line, continue_command, note_failure
 
 logger = logging.getLogger(__name__)
 
@@ -49,21 +50,51 @@ def worker(config_yaml: str, argv: list[str], announce: bool) -> str | None:
 
     Raises:
         SystemExit: After one ``error:`` line, with the error's exit code (2 for a bad recipe or data,
-            3 when training cannot go on); with 128 + the signal after a SIGTERM/SIGINT stop.
+            3 when training cannot go on, 4 when the run folder cannot be written); with 128 + the
+            signal after a SIGTERM/SIGINT stop.
     """
     rank = int(next((os.environ[v] for v in RANK_VARS if v in os.environ), 0))
     setup_logging(rank)
     try:
         return _run(config_yaml, argv, announce, rank)
     except UserError as err:
-        if rank == 0:
+        if rank == 0 or err.local:
             print(f"error: {err}", file=sys.stderr, flush=True)
+        note_failure(rank, err.exit_code, secondary=False)
         raise SystemExit(err.exit_code) from None
-    except Exception:
+    except Exception as err:
+        if lost_peer(err):
+            # Another worker failed first and says why; this one only lost its connection to it. It
+            # waits a moment so that the launcher sees the first failure first and reports that one.
+            logger.warning("stopping: lost contact with another worker (it failed or was killed)")
+            note_failure(rank, 1, secondary=True)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            time.sleep(SECONDARY_DELAY_S)
+            os._exit(1)  # a normal exit would let gloo's threads abort the process with a second message
         print(f"worker {rank} failed:", file=sys.stderr, flush=True)
         traceback.print_exc()
         sys.stderr.flush()
+        note_failure(rank, 1, secondary=False)
         raise
+
+
+def lost_peer(err: BaseException) -> bool:
+    """Whether ``err`` says that another worker of the job went away (it failed or was killed)."""
+    text = str(err)
+    return isinstance(err, RuntimeError) and any(cause in text for cause in PEER_GONE)
+
+
+SECONDARY_DELAY_S = 2.0
+"""Seconds a worker that lost contact waits before it exits (launchers poll every 0.1 to 1 s)."""
+PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "remote process exited",
+    "communicator was aborted",
+)
+"""What gloo, NCCL and the TCP store say when the other end of a connection disappeared."""
 
 
 @contextmanager
@@ -96,18 +127,24 @@ def _run(config_yaml: str, argv: list[str], announce: bool, rank: int) -> str | 
     local = int(next((os.environ[v] for v in LOCAL_SIZE_VARS if v in os.environ), 1))
     env_threads = int(os.environ.get("OMP_NUM_THREADS", 0) or 0)  # torchrun and cluster tools set it
     torch.set_num_threads(cfg.launch.threads or env_threads or max(1, (os.cpu_count() or 1) // local))
+    command = command_line(argv)
     backend: Backend = registry.BACKENDS.get(cfg.dist.backend)(cfg.dist)
     try:
         from kfacflow.trainer import Trainer
 
+        saved = cfg.copy()
+        saved.resume = None
         run_dir = None
         if backend.rank == 0:
             run_dir = Path(cfg.resume) if cfg.resume else rundir.new_run_dir(cfg.out_dir, cfg.name)
-            saved = cfg.copy()
-            saved.resume = None
-            rundir.write_metadata(run_dir, to_yaml(saved), argv)
+            if not cfg.resume:
+                rundir.write_metadata(run_dir, to_yaml(saved), command)
         run_dir = Path(backend.broadcast_object(str(run_dir) if run_dir else None))
-        trainer = Trainer(cfg, backend, run_dir)
+        trainer = Trainer(cfg, backend, run_dir)  # a resume is checked here, before its folder is touched
+        if trainer.finished and trainer.evaluated:
+            return _already_finished(trainer, run_dir, argv, announce)
+        if cfg.resume and backend.rank == 0:
+            rundir.write_metadata(run_dir, to_yaml(saved), command, resumed=True)
         with stop_on_signals(trainer):
             summary = trainer.fit()
         backend.barrier()
@@ -120,12 +157,20 @@ def _run(config_yaml: str, argv: list[str], announce: bool, rank: int) -> str | 
     rundir.write_summary(run_dir, summary)
     if trainer.stopped_by:
         name = signal.Signals(trainer.stopped_by).name
-        print(
-            f"stopped by {name} after step {trainer.step}; checkpoint written. Continue with: "
-            f"python run.py resume={run_dir}",
-            file=sys.stderr,
-            flush=True,
-        )
+        then = continue_command(run_dir, argv)
+        if trainer.finished:
+            print(
+                f"stopped by {name} after step {trainer.step}, the last; checkpoint written. Its final evaluation "
+                f"did not run: {then} runs it.",
+                file=sys.stderr,
+                flush=True,
+            )
+        else:
+            print(
+                f"stopped by {name} after step {trainer.step}; checkpoint written. Continue with: {then}",
+                file=sys.stderr,
+                flush=True,
+            )
         raise SystemExit(128 + trainer.stopped_by)
     logger.info(
         "val_acc %.4f val_loss %.4f after %d steps in %.1f s",
@@ -133,6 +178,23 @@ def _run(config_yaml: str, argv: list[str], announce: bool, rank: int) -> str | 
         summary["val_loss"],
         summary["steps"],
         summary["seconds"],
+    )
+    if announce:
+        print(run_dir, flush=True)
+    return str(run_dir)
+
+
+def _already_finished(trainer: Any, run_dir: Path, argv: list[str], announce: bool) -> str | None:
+    """Say that a resumed run has nothing left to do; its folder stays as it is."""
+    if trainer.rank != 0:
+        return None
+    cfg = trainer.cfg
+    more = f"train.steps={2 * trainer.step}" if cfg.train.steps else f"train.epochs={2 * cfg.train.epochs}"
+    print(
+        f"resume: {run_dir} finished at step {trainer.step} of {trainer.total}; nothing to do. To train on, "
+        f"raise train.steps or train.epochs, e.g. {continue_command(run_dir, argv)} {more}",
+        file=sys.stderr,
+        flush=True,
     )
     if announce:
         print(run_dir, flush=True)

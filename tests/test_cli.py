@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import subprocess
+import typing
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,8 @@ import yaml
 from helpers import last_line, run_cli
 
 from kfacflow.cli import main
-from kfacflow.config import KFACConfig
+from kfacflow.config import KFACConfig, RunConfig, check_out_dir, load
+from kfacflow.errors import UserError
 from kfacflow.kfac.variants import resolve
 
 QUICK = "recipes/quickstart.yaml"
@@ -39,6 +42,20 @@ def recipes_dir(tmp_path: Path) -> Path:
     (tmp_path / "bad.yaml").write_text("kfac:\n  damping: [0.1\n")
     (tmp_path / "list.yaml").write_text("- kfac\n- damping\n")
     (tmp_path / "empty_root").mkdir()
+    (tmp_path / "latin1.yaml").write_bytes("kfac:\n  variant: d  # défaut\n".encode("latin-1"))
+    (tmp_path / "dup.yaml").write_text(
+        "# line 1\nkfac:\n  damping: 0.01\n  kl_clip: 0.001\n  variant: d\n  damping: 0.1\n"
+    )
+    (tmp_path / "dup_run").mkdir()
+    (tmp_path / "dup_run" / "config.yaml").write_text("train:\n  epochs: 1\n  epochs: 2\n")
+    (tmp_path / "afile").write_text("not a folder\n")
+    comm = "allreduce: {alpha: 2.0e-5, beta: 1.6e-10}\nbroadcast: {alpha: 1.0e-5, beta: 8.0e-11}\n"
+    cubic = "inverse: {kind: cubic, alpha: 1.0e-4, beta: 1.0e-12}\n"
+    (tmp_path / "p_fast.yaml").write_text(comm.replace("alpha: 2.0e-5", "alpha: fast") + cubic)
+    (tmp_path / "p_quad.yaml").write_text(comm + cubic.replace("cubic", "quadratic"))
+    (tmp_path / "p_bytes.yaml").write_bytes(comm.encode() + b"inverse: {kind: cubic\xff\xfe}\n")
+    (tmp_path / "p_negbeta.yaml").write_text(comm.replace("beta: 8.0e-11", "beta: -8.0e-11") + cubic)
+    (tmp_path / "p_noinv.yaml").write_text(comm)
     return tmp_path
 
 
@@ -72,7 +89,7 @@ MISTAKES = [
     pytest.param([QUICK, "kfc.damping=1"], ("kfc", "kfac"), id="unknown-section"),
     pytest.param([QUICK, "launch.nproc=1000"], ("data.batch_size", "launch.nproc"), id="more-workers-than-samples"),
     pytest.param([QUICK, "kfac.profile={tmp}/nowhere.yaml"], ("kfac.profile", "does not exist"), id="no-profile"),
-    pytest.param([QUICK, "kfac.profile_steps=0"], ("kfac.profile_steps", "> 0"), id="profile-steps-0"),
+    pytest.param([QUICK, "kfac.profile_steps=0"], ("kfac.profile_steps", ">= 1"), id="profile-steps-0"),
     pytest.param([QUICK, "kfac.fusion_threshold_mb=0"], ("kfac.fusion_threshold_mb", "> 0"), id="threshold-0"),
     pytest.param([QUICK, "a.b.c=1"], ("'a'",), id="unknown-section-no-match"),
     pytest.param([QUICK, "kfac.damping=abc"], ("kfac.damping", "abc", "Float"), id="type-float"),
@@ -104,7 +121,7 @@ MISTAKES = [
     pytest.param([QUICK, "kfac.damping=nan"], ("kfac.damping", "> 0"), id="damping-nan"),
     pytest.param([QUICK, "kfac.factor_decay=1.0"], ("kfac.factor_decay", "[0, 1)"), id="factor-decay-1"),
     pytest.param([QUICK, "kfac.kl_clip=-1"], ("kfac.kl_clip", ">= 0"), id="kl-clip-negative"),
-    pytest.param([QUICK, "kfac.factor_update_freq=0"], ("kfac.factor_update_freq", "> 0"), id="factor-freq-0"),
+    pytest.param([QUICK, "kfac.factor_update_freq=0"], ("kfac.factor_update_freq", ">= 1"), id="factor-freq-0"),
     pytest.param(
         [QUICK, "kfac.inv_update_freq=3", "kfac.factor_update_freq=2"],
         ("kfac.inv_update_freq=3", "multiple", "kfac.factor_update_freq=2"),
@@ -129,6 +146,58 @@ MISTAKES = [
     pytest.param(["resume={tmp}/nowhere"], ("resume", "nowhere", "config.yaml"), id="resume-missing-alone"),
     pytest.param(["resume={tmp}/empty_root"], ("resume", "config.yaml"), id="resume-not-a-run"),
     pytest.param([], ("give a recipe", "recipes/quickstart.yaml"), id="no-recipe"),
+    # Every numeric key is range-checked, NaN and the infinities included.
+    pytest.param([QUICK, "kfac.kl_clip=nan"], ("kfac.kl_clip=nan", "finite", ">= 0"), id="kl-clip-nan"),
+    pytest.param([QUICK, "kfac.kl_clip=.inf"], ("kfac.kl_clip=inf", "finite"), id="kl-clip-inf"),
+    pytest.param([QUICK, "kfac.damping=inf"], ("kfac.damping=inf", "finite", "> 0"), id="damping-inf"),
+    pytest.param([QUICK, "optim.momentum=-1"], ("optim.momentum=-1", "[0, 1)"), id="momentum-negative"),
+    pytest.param([QUICK, "optim.momentum=1"], ("optim.momentum=1", "[0, 1)"), id="momentum-1"),
+    pytest.param([QUICK, "optim.weight_decay=nan"], ("optim.weight_decay=nan", ">= 0"), id="weight-decay-nan"),
+    pytest.param([QUICK, "dist.timeout_s=0"], ("dist.timeout_s=0", ">= 1"), id="timeout-0"),
+    pytest.param([QUICK, "train.seed=-1"], ("train.seed=-1", "[0, 2**63)"), id="seed-negative"),
+    pytest.param([QUICK, "schedule.gamma=0"], ("schedule.gamma", "> 0"), id="gamma-0"),
+    pytest.param([QUICK, "schedule.milestones=[-1]"], ("schedule.milestones[0]=-1", ">= 0"), id="milestone-negative"),
+    pytest.param([QUICK, "schedule.warmup_epochs=nan"], ("schedule.warmup_epochs=nan", ">= 0"), id="warmup-nan"),
+    pytest.param(
+        [QUICK, "train.keep_checkpoints=-1"], ("train.keep_checkpoints=-1", "0 keeps every"), id="keep-negative"
+    ),
+    pytest.param([QUICK, "train.accumulate=0"], ("train.accumulate=0", ">= 1"), id="accumulate-0"),
+    pytest.param(
+        [QUICK, "optim.nesterov=true", "optim.momentum=0"],
+        ("optim.nesterov=true", "optim.momentum > 0"),
+        id="nesterov-without-momentum",
+    ),
+    # Files: one line for bytes that are not UTF-8, a key given twice, a folder given as a recipe.
+    pytest.param([QUICK, "{tmp}/latin1.yaml"], ("latin1.yaml", "UTF-8", "line 2"), id="recipe-not-utf8"),
+    pytest.param(
+        [QUICK, "{tmp}/dup.yaml"], ("dup.yaml", "'kfac.damping'", "twice", "lines 3 and 6"), id="recipe-duplicate-key"
+    ),
+    pytest.param([QUICK, "{tmp}/empty_root"], ("empty_root", "folder", "YAML file"), id="recipe-is-a-folder"),
+    pytest.param(["resume={tmp}/dup_run"], ("config.yaml", "'train.epochs'", "lines 2 and 3"), id="resume-duplicate"),
+    # Where runs go: name is one folder name, out_dir decides the place.
+    pytest.param([QUICK, "name=../../x"], ("name='../../x'", "plain folder name", "out_dir"), id="name-escapes"),
+    pytest.param([QUICK, "name=a/b"], ("name='a/b'", "out_dir"), id="name-with-slash"),
+    pytest.param([QUICK, "name=.."], ("name='..'", "out_dir"), id="name-dotdot"),
+    pytest.param([QUICK, "name=' '"], ("name=' '", "out_dir"), id="name-blank"),
+    pytest.param([QUICK, "out_dir={tmp}/afile/runs"], ("out_dir=", "afile", "not a folder"), id="out-dir-under-file"),
+    # Profiles: every field checked, one line naming the file and the field.
+    pytest.param(
+        [QUICK, "kfac.profile={tmp}/p_fast.yaml"], ("p_fast.yaml", "allreduce.alpha='fast'"), id="profile-alpha-text"
+    ),
+    pytest.param(
+        [QUICK, "kfac.profile={tmp}/p_quad.yaml"],
+        ("p_quad.yaml", "inverse.kind='quadratic'", "'exp'", "'cubic'"),
+        id="profile-kind-unknown",
+    ),
+    pytest.param([QUICK, "kfac.profile={tmp}/p_bytes.yaml"], ("p_bytes.yaml", "UTF-8"), id="profile-bad-bytes"),
+    pytest.param(
+        [QUICK, "kfac.profile={tmp}/p_negbeta.yaml"],
+        ("p_negbeta.yaml", "broadcast.beta", ">= 0"),
+        id="profile-neg-beta",
+    ),
+    pytest.param(
+        [QUICK, "kfac.profile={tmp}/p_noinv.yaml"], ("p_noinv.yaml", "'inverse' section"), id="profile-no-inverse"
+    ),
     # Bad messages: the line must name the key, not '?' or OmegaConf internals.
     pytest.param([QUICK, "model=abc"], ("'model'",), id="section-given-a-value"),
     pytest.param([QUICK, "kfac.skip=fc"], ("kfac.skip", "list"), id="list-given-a-string"),
@@ -148,6 +217,93 @@ def test_user_mistake_exits_2_with_one_line(
     assert not (recipes_dir / "runs").exists(), "a run folder was created for a rejected command"
 
 
+def _numeric_keys(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, type, dataclasses.Field]]:
+    """Every int, float and list-of-float key of the schema, with its type and field."""
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            out += _numeric_keys(hint, f"{prefix}{f.name}.")  # type: ignore[arg-type]
+        elif hint in (int, float, list[float]):
+            out.append((f"{prefix}{f.name}", hint, f))
+    return out
+
+
+def test_every_numeric_key_has_a_range() -> None:
+    keys = _numeric_keys()
+    assert len(keys) > 30
+    missing = [key for key, _, f in keys if "range" not in f.metadata]
+    assert not missing, f"numeric keys without metadata=at_least/above/within: {missing}"
+
+
+@pytest.mark.parametrize("key", [key for key, hint, _ in _numeric_keys() if hint is not int])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_every_float_key_rejects_non_finite(key: str, value: str) -> None:
+    text = f"[{value}]" if key == "schedule.milestones" else value
+    with pytest.raises(UserError) as err:
+        load([QUICK], [f"{key}={text}"])
+    message = str(err.value)
+    assert message.startswith(key) and value.lstrip("-") in message and "\n" not in message, message
+
+
+def test_range_boundaries_are_accepted() -> None:
+    cfg = load(
+        [QUICK],
+        [
+            "optim.momentum=0",
+            "optim.weight_decay=0",
+            "kfac.kl_clip=0",
+            "kfac.factor_decay=0",
+            "train.keep_checkpoints=0",
+            "train.accumulate=1",
+            f"train.seed={2**63 - 1}",
+            "train.steps=0",
+            "train.timeline=0",
+            "schedule.milestones=[0,1.5]",
+            "schedule.warmup_epochs=0",
+            "dist.timeout_s=1",
+            "name=.hidden",
+        ],
+    )
+    assert cfg.train.accumulate == 1 and cfg.train.seed == 2**63 - 1 and cfg.name == ".hidden"
+    with pytest.raises(UserError, match=r"train.seed=9223372036854775808 must be in \[0, 2\*\*63\)"):
+        load([QUICK], [f"train.seed={2**63}"])
+
+
+def test_duplicate_keys_only_within_one_mapping(tmp_path: Path) -> None:
+    # The same key in two sections, a YAML merge key overridden, and a later file or override: all fine.
+    first = tmp_path / "first.yaml"
+    first.write_text("kfac:\n  damping: 0.2\n")
+    second = tmp_path / "second.yaml"
+    second.write_text("model:\n  name: digits_cnn\ndata:\n  name: digits\nkfac:\n  damping: 0.3\n")
+    assert load([QUICK, str(first), str(second)], []).kfac.damping == 0.3
+    assert load([QUICK, str(first)], ["kfac.damping=0.4"]).kfac.damping == 0.4
+    merged = tmp_path / "merged.yaml"
+    merged.write_text("kfac:\n  <<: {damping: 0.5, kl_clip: 0.01}\n  damping: 0.6\n")
+    cfg = load([QUICK, str(merged)], [])
+    assert (cfg.kfac.damping, cfg.kfac.kl_clip) == (0.6, 0.01)
+
+
+def test_out_dir_check_creates_nothing(tmp_path: Path) -> None:
+    check_out_dir(str(tmp_path / "a" / "b" / "c"))
+    check_out_dir(str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "f").write_text("")
+    with pytest.raises(UserError, match=r"out_dir=.*f/x.* is a file, not a folder"):
+        check_out_dir(str(tmp_path / "f" / "x"))
+
+
+def test_out_dir_not_writable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import kfacflow.config
+
+    # os.access rather than chmod: root may write anywhere.
+    monkeypatch.setattr(kfacflow.config.os, "access", lambda path, mode: Path(path) != tmp_path)
+    with pytest.raises(UserError, match=r"out_dir=.*runs.* is not writable; set out_dir"):
+        check_out_dir(str(tmp_path / "runs" / "x"))
+    assert list(tmp_path.iterdir()) == []
+
+
 # Values rejected by the checks, or (the last rows) only once the run builds the model: exit 2 either way.
 UNCHECKED = [
     pytest.param(["train.log_every=0"], "train.log_every", id="log-every-0"),
@@ -162,6 +318,11 @@ UNCHECKED = [
     pytest.param(["optim.lr=inf"], "optim.lr", id="lr-inf"),
     pytest.param(["kfac.skip=['*']"], "kfac.skip", id="no-layer-to-precondition"),
     pytest.param(["kfac.skip=[*]"], "kfac.skip=[*]", id="override-not-yaml"),
+    # Found only by the model or the data:
+    pytest.param(["data.image_size=1"], "data.image_size", id="image-too-small-for-the-model"),
+    pytest.param(["kfac.skip=[layer9.*]"], "kfac.skip: 'layer9.*' matches no module", id="skip-matches-nothing"),
+    pytest.param(["train.timeline=3"], "train.timeline=3 is after the run's last step (2)", id="timeline-after-end"),
+    pytest.param(["train.accumulate=100"], "train.accumulate=100", id="accumulate-more-than-the-data"),
 ]
 
 
@@ -172,6 +333,23 @@ def test_unchecked_value_exits_2_not_traceback(
     rc, exc = call_main([QUICK, *SAFE, "train.steps=2", f"out_dir={tmp_path}", *extra])
     err = "\n".join(line for line in capsys.readouterr().err.splitlines() if line.startswith("error:"))
     assert_user_error(rc, exc, err, (key,))
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_undecodable_image_found_while_training_exits_2(
+    workers: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from PIL import Image
+
+    for split in ("train", "val"):
+        for cls in ("a", "b"):
+            (tmp_path / split / cls).mkdir(parents=True)
+            Image.new("RGB", (10, 10)).save(tmp_path / split / cls / "0.png")
+    (tmp_path / "train" / "b" / "0.png").write_bytes(b"not a png")  # in the first batch: it holds both
+    data = ["data.name=imagefolder", f"data.root={tmp_path}", "data.image_size=8", "data.batch_size=2"]
+    rc, exc = call_main([QUICK, *SAFE, *data, f"data.workers={workers}", f"out_dir={tmp_path}/runs"])
+    err = "\n".join(line for line in capsys.readouterr().err.splitlines() if line.startswith("error:"))
+    assert_user_error(rc, exc, err, ("data.root=", "train/b/0.png", "cannot be read"))
 
 
 @pytest.mark.parametrize(
@@ -337,3 +515,23 @@ def test_horovod_missing_names_the_install_script(
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "horovod" else real(name, *a))
     rc, exc = call_main([QUICK, *SAFE, "dist.backend=horovod"])
     assert_user_error(rc, exc, capsys.readouterr().err, ("dist.backend=horovod", "tools/install_horovod.sh"))
+
+
+@pytest.mark.parametrize(
+    ("env", "must"),
+    [
+        ({"RANK": "0", "WORLD_SIZE": "2"}, ("RANK=0 and WORLD_SIZE=2", "MASTER_ADDR", "unset RANK WORLD_SIZE")),
+        ({"RANK": "1"}, ("only one of RANK and WORLD_SIZE", "RANK=1")),
+        ({"RANK": "3", "WORLD_SIZE": "2", "MASTER_ADDR": "x", "MASTER_PORT": "1"}, ("0 <= RANK < WORLD_SIZE",)),
+    ],
+    ids=["stale", "half-set", "rank-out-of-range"],
+)
+def test_stale_launcher_environment_exits_2(
+    env: dict[str, str], must: tuple[str, ...], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    rc, exc = call_main([QUICK, *SAFE])
+    assert_user_error(rc, exc, capsys.readouterr().err, must)

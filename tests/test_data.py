@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -114,6 +115,34 @@ def test_cifar10_missing(tmp_path: Path) -> None:
         build_datasets(DataConfig(name="cifar10", root=str(tmp_path)))
 
 
+def _write_pickle(path: Path, obj: object) -> None:
+    path.write_bytes(pickle.dumps(obj))
+
+
+@pytest.mark.parametrize(
+    ("damage", "must"),
+    [
+        (lambda p: p.write_bytes(p.read_bytes()[:200]), "data_batch_3"),  # truncated: EOFError/UnpicklingError
+        (lambda p: p.write_bytes(b"\x00garbage" * 10), "UnpicklingError"),
+        (lambda p: p.write_bytes(b""), "EOFError"),
+        (lambda p: _write_pickle(p, {b"data": np.zeros((4, 3000), np.uint8), b"labels": [0] * 4}), "3072"),
+        (lambda p: _write_pickle(p, {b"data": np.zeros((4, 3072), np.uint8), b"labels": [0] * 3}), "3 labels"),
+        (lambda p: _write_pickle(p, {b"data": np.zeros((4, 3072), np.uint8), b"labels": [0, 1, 2, 10]}), "0..9"),
+        (lambda p: _write_pickle(p, {b"data": [["x"] * 3072] * 4, b"labels": [0] * 4}), "not numbers"),
+        (lambda p: _write_pickle(p, [1, 2]), "no data/labels"),
+    ],
+    ids=["truncated", "garbage", "empty", "wrong-size", "label-count", "label-range", "not-numbers", "not-a-dict"],
+)
+def test_cifar10_corrupt_batch_is_one_line(tmp_path: Path, damage: Callable[[Path], None], must: str) -> None:
+    _fake_cifar(tmp_path)
+    damage(tmp_path / "data_batch_3")
+    with pytest.raises(UserError) as err:
+        build_datasets(DataConfig(name="cifar10", root=str(tmp_path)))
+    message = str(err.value)
+    assert message.startswith(f"data.root={str(tmp_path)!r}") and "data_batch_3" in message, message
+    assert must in message and "\n" not in message, message
+
+
 def _fake_folder(root: Path, splits: tuple[str, ...] = ("train", "val")) -> None:
     from PIL import Image
 
@@ -143,3 +172,31 @@ def test_imagefolder_missing(tmp_path: Path) -> None:
     _fake_folder(tmp_path, ("train",))
     with pytest.raises(UserError, match="data.root.*val/"):
         check_data(DataConfig(name="imagefolder", root=str(tmp_path)))
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize(
+    ("keep", "why"), [(100, "image file is truncated"), (0, "not an image format")], ids=["truncated", "not-an-image"]
+)
+def test_imagefolder_undecodable_image_is_one_line(tmp_path: Path, workers: int, keep: int, why: str) -> None:
+    _fake_folder(tmp_path)
+    bad = tmp_path / "train" / "b" / "1.png"
+    # Truncated: the PNG header is there, its pixels are not. Otherwise: text where an image should be.
+    bad.write_bytes(bad.read_bytes()[:keep] if keep else b"not a png")
+    train, _, _ = build_datasets(DataConfig(name="imagefolder", root=str(tmp_path), image_size=8))
+    loader = torch.utils.data.DataLoader(train, batch_size=4, num_workers=workers)
+    with pytest.raises(UserError) as err:
+        list(loader)
+    message = str(err.value)
+    assert message.startswith(f"data.root={str(tmp_path)!r}: image {str(bad)!r} cannot be read"), message
+    assert why in message and "\n" not in message and "Caught" not in message, message
+
+
+def test_user_error_from_a_loader_worker_keeps_its_line() -> None:
+    text = (
+        "Caught UserError in DataLoader worker process 3.\nOriginal Traceback (most recent call last):\n"
+        '  File "x.py", line 1, in f\n    raise UserError("data.root=\'r\': bad")\n'
+        "kfacflow.errors.UserError: data.root='r': bad: really\n"
+    )
+    assert str(UserError(text)) == "data.root='r': bad: really"
+    assert str(UserError("Caught my eye")) == "Caught my eye"

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kfacflow.errors import UserError
 from kfacflow.kfac.factors import ExpandFactors, ReduceFactors, pack, packed_size, unpack
 from kfacflow.kfac.layers import KFACLayer, find_layers
 
@@ -39,7 +40,7 @@ def outer_mean(rows: list[list[float]], denom: float) -> Tensor:
 
 def hand_conv_patches(conv: nn.Conv2d, x: Tensor) -> tuple[list[list[list[float]]], int, int]:
     """Return patches[n][t] (t = i * W_out + j, channel-major then kernel row then kernel column)."""
-    n_b, c_in, h, w = x.shape
+    _, _, h, w = x.shape
     kh, kw = conv.kernel_size
     sh, sw = conv.stride
     dh, dw = conv.dilation
@@ -51,22 +52,29 @@ def hand_conv_patches(conv: nn.Conv2d, x: Tensor) -> tuple[list[list[list[float]
         ph, pw = conv.padding
         h_out = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1
         w_out = (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    return patches_at(conv, x, (ph, pw), (h_out, w_out)), h_out, w_out
+
+
+def patches_at(conv: nn.Conv2d, x: Tensor, before: tuple[int, int], out: tuple[int, int]) -> list[list[list[float]]]:
+    """Return patches[n][t] of ``out`` output positions, with ``before`` zero rows/columns padded first."""
+    n_b, c_in, h, w = x.shape
+    (kh, kw), (sh, sw), (dh, dw) = conv.kernel_size, conv.stride, conv.dilation
     patches = []
     for n in range(n_b):
         per_n = []
-        for i in range(h_out):
-            for j in range(w_out):
+        for i in range(out[0]):
+            for j in range(out[1]):
                 patch = []
                 for c in range(c_in):
                     for ki in range(kh):
                         for kj in range(kw):
-                            row = i * sh - ph + ki * dh
-                            col = j * sw - pw + kj * dw
+                            row = i * sh - before[0] + ki * dh
+                            col = j * sw - before[1] + kj * dw
                             inside = 0 <= row < h and 0 <= col < w
                             patch.append(float(x[n, c, row, col]) if inside else 0.0)
                 per_n.append(patch)
         patches.append(per_n)
-    return patches, h_out, w_out
+    return patches
 
 
 def with_one(v: list[float], bias: bool) -> list[float]:
@@ -313,7 +321,8 @@ def test_find_layers_order_and_skips() -> None:
     assert [lay.name for lay in find_layers(net, ["block.*"])] == ["conv1", "head", "aux"]
     assert [lay.name for lay in find_layers(net, ["head", "a*"])] == ["conv1", "block.0"]
     assert [lay.name for lay in find_layers(net, ["conv?"])] == ["block.0", "head", "aux"]
-    assert [lay.name for lay in find_layers(net, ["Head"])] == ["conv1", "block.0", "head", "aux"]
+    with pytest.raises(UserError, match="'Head' matches no module"):  # patterns are case-sensitive
+        find_layers(net, ["Head"])
     net.head.weight.requires_grad_(False)
     assert [lay.name for lay in find_layers(net, [])] == ["conv1", "block.0", "aux"]
 

@@ -90,6 +90,90 @@ def test_malformed_profile_is_a_user_error(tmp_path: Path, text: str) -> None:
         Profile.load(tmp_path / "missing.yaml")
 
 
+COMM = "allreduce: {alpha: 2.0e-5, beta: 1.6e-10}\nbroadcast: {alpha: 1.0e-5, beta: 8.0e-11}\n"
+CUBIC = "inverse: {kind: cubic, alpha: 1.0e-4, beta: 1.0e-12}\n"
+
+
+@pytest.mark.parametrize(
+    ("data", "must"),
+    [
+        (COMM.replace("2.0e-5", "fast") + CUBIC, ("allreduce.alpha='fast'", "finite number >= 0")),
+        (COMM.replace("2.0e-5", "true") + CUBIC, ("allreduce.alpha=True",)),
+        (COMM.replace("2.0e-5", ".nan") + CUBIC, ("allreduce.alpha=nan",)),
+        (COMM.replace("8.0e-11", "-8.0e-11") + CUBIC, ("broadcast.beta=-8e-11", ">= 0")),
+        (COMM.replace("beta: 1.6e-10", "betta: 1.6e-10") + CUBIC, ("'allreduce.betta'", "Did you mean 'beta'")),
+        (COMM.replace(", beta: 1.6e-10", "") + CUBIC, ("'allreduce.beta' is missing",)),
+        (COMM + CUBIC.replace("cubic", "quadratic"), ("inverse.kind='quadratic'", "'exp'", "'cubic'")),
+        (COMM + CUBIC.replace("kind: cubic, ", ""), ("'inverse.kind' is missing",)),
+        (COMM + CUBIC.replace("kind: cubic, alpha: 1.0e-4", "kind: exp, alpha: 0"), ("inverse.alpha=0", "> 0")),
+        (COMM + CUBIC.replace("1.0e-12", ".inf"), ("inverse.beta=inf", "finite")),
+        (COMM + CUBIC.replace("}", ", error: -1}"), ("inverse.error=-1", ">= 0")),
+        (COMM + CUBIC + "samples: 3\n", ("'samples'",)),
+        (COMM + CUBIC + "invers: {}\n", ("'invers'", "Did you mean 'inverse'")),
+        (COMM, ("no 'inverse' section",)),
+        (COMM + "inverse: 3\n", ("'inverse' section",)),
+        (COMM + CUBIC + "allreduce: {alpha: 1.0, beta: 1.0}\n", ("'allreduce'", "twice", "lines 1 and 4")),
+        ((COMM + CUBIC).encode() + b"# \xff\n", ("not UTF-8", "line 4")),
+        ("- a\n- b\n", ("must be a mapping",)),
+        ("allreduce: [\n", ("not valid YAML",)),
+    ],
+    ids=[
+        "alpha-text",
+        "alpha-bool",
+        "alpha-nan",
+        "beta-negative",
+        "unknown-key",
+        "missing-key",
+        "kind-unknown",
+        "kind-missing",
+        "exp-alpha-0",
+        "beta-inf",
+        "error-negative",
+        "samples-not-mapping",
+        "unknown-section",
+        "no-inverse",
+        "inverse-not-mapping",
+        "duplicate-section",
+        "bad-bytes",
+        "list",
+        "bad-yaml",
+    ],
+)
+def test_bad_profile_is_one_line_naming_file_and_field(
+    tmp_path: Path, data: str | bytes, must: tuple[str, ...]
+) -> None:
+    path = tmp_path / "prof.yaml"
+    path.write_bytes(data if isinstance(data, bytes) else data.encode())
+    with pytest.raises(UserError) as err:
+        Profile.load(path)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"kfac.profile: {str(path)!r}"), message
+    for text in must:
+        assert text in message, f"{text!r} not in {message!r}"
+
+
+def test_profile_folder_or_unreadable_is_a_user_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(UserError, match="is a folder; give the YAML file tools/fit_perf_models.py writes"):
+        Profile.load(tmp_path)
+    path = tmp_path / "p.yaml"
+    path.write_text(COMM + CUBIC)
+
+    def denied(self: Path) -> bytes:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "read_bytes", denied)
+    with pytest.raises(UserError, match="cannot be read \\(Permission denied\\)"):
+        Profile.load(path)
+
+
+def test_profile_numbers_yaml_reads_as_text_are_taken(tmp_path: Path) -> None:
+    # PyYAML reads 1e-5 (no dot) as a string; it is still the number the user meant.
+    path = tmp_path / "p.yaml"
+    path.write_text(COMM.replace("2.0e-5", "2e-5") + CUBIC.replace("cubic", "exp").replace("1.0e-4", "1"))
+    prof = Profile.load(path)
+    assert prof.allreduce.alpha == 2e-5 and prof.inverse == InverseModel("exp", 1.0, 1e-12)
+
+
 def test_fit_tool_measures_a_two_worker_job(tmp_path: Path) -> None:
     out = tmp_path / "profile.yaml"
     proc = run_tool(

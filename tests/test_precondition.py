@@ -76,7 +76,12 @@ def test_dense_flat_left_right(name: str) -> None:
     assert Inverse.flat_size("eigen", d) == d * d + d == 30
     back = Inverse.from_flat(inv.kind, flat.clone(), d)
     assert back.kind == inv.kind
-    assert torch.equal(back.dense(), inv.dense())
+    # The broadcast carries every bit: rebuilt from the vector, the inverse holds the same numbers.
+    assert torch.equal(back.to_flat(), flat)
+    # Products may still round differently (the rebuilt Q is row-major where eigh's is not, and a
+    # matmul's rounding depends on the memory layout on some CPUs), hence every rank, the owner
+    # included, takes the broadcast copy; here only closeness is guaranteed.
+    rel_close(back.dense(), inv.dense(), 1e-14)
     x = torch.randn(d, 3, generator=torch.Generator().manual_seed(8), dtype=DT)
     y = torch.randn(2, d, generator=torch.Generator().manual_seed(9), dtype=DT)
     rel_close(inv.left(x), want @ x)

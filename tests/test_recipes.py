@@ -28,10 +28,13 @@ def shrink(recipe: Path) -> list[str]:
     cfg = yaml.safe_load(recipe.read_text()) or {}
     if ((cfg.get("data") or {}).get("name") or "digits") == "digits":
         return ["data.workers=0"]
-    # Inverting torchvision ResNets' 4608-wide layer4 factors takes ~20 s a step on 2 cores: leave them out.
-    skip = [*((cfg.get("kfac") or {}).get("skip") or []), "layer4.*"]
+    model = str((cfg.get("model") or {}).get("name"))
+    # Inverting torchvision ResNets' 4608-wide layer4 factors takes ~20 s a step on 2 cores: leave them
+    # out (only where there is a layer4: a kfac.skip pattern that matches nothing is an error).
+    layer4 = ["layer4.*"] if model in ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152") else []
+    skip = [*((cfg.get("kfac") or {}).get("skip") or []), *layer4]
     # Inception-v4's stem and reduction blocks need at least ~75 px; the others run at 32 px.
-    size = ["data.image_size=96"] if "inception" in str((cfg.get("model") or {}).get("name")) else []
+    size = ["data.image_size=96"] if "inception" in model else []
     return [*SMALL_SYNTHETIC, *size, f"kfac.skip=[{','.join(skip)}]"]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
 import torch
@@ -50,9 +51,18 @@ class Backend(ABC):
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """Return ``model`` set up so that ``backward()`` leaves gradients averaged over ranks."""
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
-        """Return the optimizer to train with (engines that average gradients in the optimizer wrap it)."""
+    def wrap_optimizer(
+        self, optimizer: torch.optim.Optimizer, model: nn.Module, accumulate: int = 1
+    ) -> torch.optim.Optimizer:
+        """Return the optimizer to train with (engines that average gradients in the optimizer wrap it).
+
+        ``accumulate`` backward passes make one step; their gradients are averaged over ranks once.
+        """
         return optimizer
+
+    def no_sync(self, net: nn.Module) -> AbstractContextManager[Any]:
+        """Return a context in which a backward pass only accumulates gradients (not the step's last)."""
+        return nullcontext()
 
     def finish_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Block until this step's gradients are averaged over ranks (before K-FAC reads them)."""

@@ -86,14 +86,19 @@ class HorovodBackend(Backend):
         self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         return model
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
-        """Return Horovod's DistributedOptimizer (gradients averaged during backward)."""
+    def wrap_optimizer(
+        self, optimizer: torch.optim.Optimizer, model: nn.Module, accumulate: int = 1
+    ) -> torch.optim.Optimizer:
+        """Return Horovod's DistributedOptimizer (gradients averaged during the step's last backward)."""
         if optimizer.state:
             # Horovod initialises empty state with a zero-gradient step, which applies weight decay
             # once; empty state is the same on every rank anyway, so it is broadcast only when set.
             self.hvd.broadcast_optimizer_state(optimizer, root_rank=0)
         wrapped: torch.optim.Optimizer = self.hvd.DistributedOptimizer(
-            optimizer, named_parameters=model.named_parameters(), op=self.hvd.Average
+            optimizer,
+            named_parameters=model.named_parameters(),
+            op=self.hvd.Average,
+            backward_passes_per_step=accumulate,
         )
         return wrapped
 

@@ -6,6 +6,7 @@ import datetime
 import logging
 import os
 import time
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -88,6 +89,10 @@ class TorchBackend(Backend):
         # DDP's own all-reduce, with the launch time noted for the GradComm breakdown.
         ddp.register_comm_hook(None, timed_allreduce)
         return ddp
+
+    def no_sync(self, net: nn.Module) -> AbstractContextManager[Any]:
+        """DDP's ``no_sync``: this backward pass accumulates gradients without all-reducing them."""
+        return net.no_sync() if isinstance(net, DistributedDataParallel) else nullcontext()
 
     def allreduce_sum(self, tensor: Tensor) -> Tensor:
         """Blocking sum on the default group."""

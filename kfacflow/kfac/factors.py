@@ -2,8 +2,10 @@
 
 Conventions (the paper's, with a batch-mean loss over the local batch of ``N`` examples):
 
-- ``a`` is the layer input with a ones column appended when the layer has a bias, so the
-  bias is the last column of the weight matrix.
+- ``a`` is the layer input as the weight sees it (``KFACLayer.layer_input``: TF-same
+  convolutions pad it first) with a ones column appended when the bias is preconditioned
+  with the weight (it exists and is trained), so the bias is the last column of the weight
+  matrix; a frozen bias gets no column.
 - ``Dg = N * grad_output`` is the per-example gradient w.r.t. the layer output (the
   ``N`` undoes the 1/N of the batch-mean loss).
 - Linear: ``A = 1/N sum_n a_n a_n^T`` and ``G = 1/N sum_n Dg_n Dg_n^T``. Extra leading
@@ -26,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kfacflow.kfac.layers import bias_preconditioned
 from kfacflow.registry import FACTORS
 
 _INDEX: dict[tuple[int, torch.device], tuple[Tensor, Tensor]] = {}
@@ -86,13 +89,20 @@ class ExpandFactors:
 
     def a_factor(self, module: nn.Module, x: Tensor) -> Tensor:
         """Return A for ``module`` from its input ``x``."""
-        bias = getattr(module, "bias", None) is not None
+        return self.a_factor_rows(module, x)[0]
+
+    def a_factor_rows(self, module: nn.Module, x: Tensor) -> tuple[Tensor, int]:
+        """Return A and the number of rows ``a`` it averages (examples, times positions for ``expand``).
+
+        The row count weighs A when several calls or micro-batches make up one step.
+        """
+        bias = bias_preconditioned(module)
         if isinstance(module, nn.Conv2d):
             a = self._conv_a(module, x)
         else:
             a = x.reshape(-1, x.shape[-1])
         a = _with_ones(a, bias)
-        return a.T @ (a / a.shape[0])
+        return a.T @ (a / a.shape[0]), a.shape[0]
 
     def g_factor(self, module: nn.Module, grad_out: Tensor, batch: int) -> Tensor:
         """Return G for ``module`` from the gradient of its output and the local batch size."""

@@ -1,15 +1,96 @@
-"""Which modules K-FAC preconditions, and their gradients viewed as one matrix."""
+"""Which modules K-FAC preconditions, what their weights see, and their gradients as one matrix.
+
+K-FAC's factors describe a weight gradient only when the module computes what ``nn.Linear`` or
+``nn.Conv2d`` computes from the input its hooks see, and nothing else adds to that gradient.
+Anything else is left to the plain optimizer with one INFO line saying why: a subclass with a
+forward of its own (except the known ones below), a parametrized or computed weight, a weight
+tied to another module, a grouped or non-zero-padded convolution.
+"""
 
 from __future__ import annotations
 
 import fnmatch
 import logging
-from dataclasses import dataclass
+from collections import defaultdict
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
+from torch.nn.utils import parametrize
+
+from kfacflow.errors import UserError, did_you_mean
 
 logger = logging.getLogger(__name__)
+
+OWN_FORWARD = "its forward is its own, so the factors cannot know what it computes"
+
+# Subclasses whose forward K-FAC knows, by (defining module, class): recognised by name so that
+# kfacflow does not import timm. timm.models.layers held them before timm 0.9.
+_TF_SAME = frozenset(
+    (mod, cls)
+    for mod in ("timm.layers.conv2d_same", "timm.models.layers.conv2d_same")
+    for cls in ("Conv2dSame", "Conv2dSameExport")
+)
+"""TF "SAME" convolutions: zero-pad the input (asymmetrically if need be), then a padding-0 conv."""
+_AS_PARENT = frozenset({("timm.layers.linear", "Linear"), ("timm.models.layers.linear", "Linear")})
+"""Subclasses computing exactly what their parent computes (timm's Linear only casts under TorchScript)."""
+
+
+def _defining(module: nn.Module, method: str) -> type:
+    """Return the class of ``module``'s MRO that defines ``method``."""
+    return next(cls for cls in type(module).__mro__ if method in vars(cls))
+
+
+def _key(cls: type) -> tuple[str, str]:
+    return cls.__module__, cls.__qualname__
+
+
+def forward_kind(module: nn.Module) -> str | None:
+    """Return how ``module`` computes its output, or None if K-FAC does not know.
+
+    Args:
+        module: A Linear or Conv2d (or a subclass).
+
+    Returns:
+        ``"plain"`` (what nn.Linear / nn.Conv2d compute), ``"tf_same"`` (timm's TF-same
+        convolutions) or None (a forward of its own).
+    """
+    if "forward" in vars(module):  # forward replaced on the instance
+        return None
+    if isinstance(module, nn.Conv2d) and _defining(module, "_conv_forward") is not nn.Conv2d:
+        return None
+    owner = _defining(module, "forward")
+    if owner in (nn.Linear, nn.Conv2d) or _key(owner) in _AS_PARENT:
+        return "plain"
+    if _key(owner) in _TF_SAME:
+        return "tf_same"
+    return None
+
+
+def tf_same_pad(conv: nn.Conv2d, x: Tensor) -> Tensor:
+    """Pad ``x`` as timm's ``pad_same`` does for ``conv`` (TF "SAME": the extra row/column at the end).
+
+    Per dimension ``total = max((ceil(in / stride) - 1) * stride + (k - 1) * dilation + 1 - in, 0)``,
+    ``total // 2`` before and the rest after.
+    """
+    cached = getattr(conv, "pad", None)
+    if isinstance(cached, nn.ZeroPad2d):
+        # Conv2dSameExport keeps the padding of the first input size it saw: use what it uses.
+        return cached(x)
+    pads: list[int] = []
+    dims = zip(x.shape[-2:], conv.kernel_size, conv.stride, conv.dilation, strict=True)
+    for size, k, s, d in reversed(list(dims)):
+        total = max((-(-size // s) - 1) * s + (k - 1) * d + 1 - size, 0)
+        pads += [total // 2, total - total // 2]
+    return F.pad(x, pads)
+
+
+def bias_preconditioned(module: nn.Module) -> bool:
+    """Return whether ``module``'s bias is preconditioned with its weight (it exists and is trained)."""
+    bias = getattr(module, "bias", None)
+    return isinstance(bias, Tensor) and bias.requires_grad
 
 
 @dataclass
@@ -17,35 +98,44 @@ class KFACLayer:
     """A preconditioned module: its name, its factor sizes and its gradient matrix.
 
     The gradient matrix is ``(g_dim, a_dim)``: the weight gradient flattened to
-    ``(C_out, C_in*kh*kw)`` with the bias gradient as the last column.
+    ``(C_out, C_in*kh*kw)``, with the bias gradient as the last column when the bias is trained.
     """
 
     name: str
     module: nn.Module
+    _tf_same: bool = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._tf_same = forward_kind(self.module) == "tf_same"
 
     @property
     def has_bias(self) -> bool:
-        """Whether the layer has a bias (a ones column in A)."""
-        return getattr(self.module, "bias", None) is not None
+        """Whether the bias is preconditioned together with the weight (a ones column in A)."""
+        return bias_preconditioned(self.module)
 
     @property
     def a_dim(self) -> int:
         """Side of the A factor."""
-        weight = self.module.weight
-        assert isinstance(weight, Tensor)
-        return weight[0].numel() + int(self.has_bias)
+        return self._weight()[0].numel() + int(self.has_bias)
 
     @property
     def g_dim(self) -> int:
         """Side of the G factor."""
-        weight = self.module.weight
-        assert isinstance(weight, Tensor)
-        return weight.shape[0]
+        return self._weight().shape[0]
+
+    def layer_input(self, x: Tensor) -> Tensor:
+        """Return the module input ``x`` as the weight sees it (TF-same convolutions pad it first).
+
+        A plain Conv2d's own padding is not applied here: ``conv_patches`` applies it.
+        """
+        if not self._tf_same:
+            return x
+        assert isinstance(self.module, nn.Conv2d)
+        return tf_same_pad(self.module, x)
 
     def grad_matrix(self) -> Tensor | None:
         """Return the gradient as a ``(g_dim, a_dim)`` matrix, or None if there is none yet."""
-        weight = self.module.weight
-        assert isinstance(weight, Tensor)
+        weight = self._weight()
         if weight.grad is None:
             return None
         g = weight.grad.reshape(weight.shape[0], -1)
@@ -56,9 +146,9 @@ class KFACLayer:
         return g
 
     def set_grad(self, mat: Tensor) -> None:
-        """Write a ``(g_dim, a_dim)`` matrix back into the weight (and bias) gradients."""
-        weight = self.module.weight
-        assert isinstance(weight, Tensor) and weight.grad is not None
+        """Write a ``(g_dim, a_dim)`` matrix back into the weight (and trained bias) gradients."""
+        weight = self._weight()
+        assert weight.grad is not None
         if self.has_bias:
             bias = self.module.bias
             assert isinstance(bias, Tensor) and bias.grad is not None
@@ -66,14 +156,60 @@ class KFACLayer:
             mat = mat[:, :-1]
         weight.grad.copy_(mat.reshape(weight.shape))
 
+    def _weight(self) -> Tensor:
+        weight = self.module.weight
+        assert isinstance(weight, Tensor)
+        return weight
 
-def supported(module: nn.Module) -> bool:
-    """Return whether K-FAC knows the factors of ``module`` (Linear; Conv2d, groups=1, zero padding)."""
-    if isinstance(module, nn.Linear):
-        return True
-    if isinstance(module, nn.Conv2d):
-        return module.groups == 1 and module.padding_mode == "zeros"
-    return False
+
+def _param_users(model: nn.Module) -> dict[int, list[str]]:
+    """Map each parameter's id to the ``module.param`` names of every distinct module holding it."""
+    users: dict[int, list[str]] = defaultdict(list)
+    for name, module in model.named_modules():
+        for pname, p in module.named_parameters(prefix=name, recurse=False):
+            users[id(p)].append(pname)
+    return users
+
+
+def skip_reason(name: str, module: nn.Linear | nn.Conv2d, users: dict[int, list[str]]) -> str | None:
+    """Return why K-FAC cannot precondition ``module``, or None if its factors describe its gradient.
+
+    Args:
+        name: The module's name in the model.
+        module: A Linear or Conv2d (or a subclass).
+        users: :func:`_param_users` of the model, to find tied parameters.
+    """
+    if forward_kind(module) is None:
+        return OWN_FORWARD
+    if parametrize.is_parametrized(module):
+        return "it is parametrized (e.g. weight_norm, spectral_norm), so its weight is computed from other parameters"
+    for pname in ("weight", "bias"):
+        p = getattr(module, pname)
+        if p is None and pname == "bias":
+            continue
+        if not isinstance(p, nn.Parameter):
+            hint = " (e.g. computed by the old weight_norm hook)" if pname == "weight" else ""
+            return f"its {pname} is not an nn.Parameter{hint}"
+        if is_lazy(p):
+            return f"its {pname} is not initialised yet (a lazy module)"
+        if not p.requires_grad:  # a frozen bias is not preconditioned: sharing it changes nothing
+            continue
+        others = [u for u in users[id(p)] if u != (f"{name}.{pname}" if name else pname)]
+        if others:
+            return (
+                f"its {pname} is shared with {', '.join(others)}, so its gradient sums several uses, "
+                "which the factors of one module do not describe"
+            )
+    if isinstance(module, nn.Conv2d) and module.groups != 1:
+        return f"grouped convolution (groups={module.groups})"
+    if isinstance(module, nn.Conv2d) and module.padding_mode != "zeros":
+        return f"padding_mode={module.padding_mode!r}, only zero padding is supported"
+    return None
+
+
+def _class_name(module: nn.Module) -> str:
+    cls = type(module)
+    return cls.__name__ if cls.__module__.startswith("torch.") else f"{cls.__module__}.{cls.__qualname__}"
 
 
 def find_layers(model: nn.Module, skip: list[str]) -> list[KFACLayer]:
@@ -84,17 +220,46 @@ def find_layers(model: nn.Module, skip: list[str]) -> list[KFACLayer]:
         skip: fnmatch patterns of module names to leave alone.
 
     Returns:
-        The preconditioned layers. Grouped or non-zero-padded convolutions, modules of other
-        types and skipped names are left to the plain optimizer.
+        The preconditioned layers: Linear and Conv2d modules (and the known subclasses) for which
+        :func:`skip_reason` finds nothing, whose weight is trained and whose name no pattern
+        matches. Each module left out for a :func:`skip_reason` is logged at INFO.
+
+    Raises:
+        UserError: If a ``skip`` pattern matches no module K-FAC would precondition.
     """
-    layers = []
+    users = _param_users(model)
+    layers, candidates, used = [], [], set()
     for name, module in model.named_modules():
         if not isinstance(module, (nn.Linear, nn.Conv2d)):
             continue
-        if any(fnmatch.fnmatchcase(name, pat) for pat in skip):
+        reason = skip_reason(name, module, users)
+        hits = [pat for pat in skip if fnmatch.fnmatchcase(name, pat)]
+        trained = reason is None and module.weight.requires_grad
+        if trained:
+            candidates.append(name)
+            used.update(hits)
+        if hits:
             logger.debug("kfac.skip leaves %s alone", name)
-        elif not supported(module):
-            logger.info("K-FAC skips %s (%s): grouped or non-zero padding", name, type(module).__name__)
-        elif module.weight.requires_grad:
+        elif reason is not None:
+            logger.info("K-FAC skips %s (%s): %s", name, _class_name(module), reason)
+        elif not trained:
+            logger.debug("K-FAC skips %s: its weight is frozen", name)
+        else:
             layers.append(KFACLayer(name, module))
+    for pat in skip:
+        if pat not in used:
+            raise UserError(_unused_pattern(model, pat, candidates))
     return layers
+
+
+def _unused_pattern(model: nn.Module, pat: str, candidates: list[str]) -> str:
+    """Explain a ``kfac.skip`` pattern that matches no module K-FAC would precondition."""
+    msg = f"kfac.skip: {pat!r} matches no module K-FAC would precondition."
+    matched = [(name, m) for name, m in model.named_modules() if fnmatch.fnmatchcase(name, pat)]
+    left_alone = [name for name, m in matched if isinstance(m, (nn.Linear, nn.Conv2d))]
+    containers = [name for name, m in matched if any(c.startswith(f"{name}.") for c in candidates)]
+    if containers:
+        msg += f" {containers[0]!r} holds layers: use '{pat}.*' to skip the layers inside it."
+    elif left_alone:
+        msg += f" It matches only {', '.join(map(repr, left_alone[:3]))}, which K-FAC leaves alone anyway."
+    return msg + did_you_mean(pat, candidates)

@@ -7,12 +7,12 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 
 from kfacflow.config import KFACConfig
 from kfacflow.dist.base import Backend, Handle
 from kfacflow.errors import UserError
-from kfacflow.kfac.factors import pack, unpack
+from kfacflow.kfac.capture import Capture
+from kfacflow.kfac.factors import unpack
 from kfacflow.kfac.fusion import CommOptions
 from kfacflow.kfac.inverse import KINDS, Inverse, warn_once
 from kfacflow.kfac.layers import KFACLayer, find_layers
@@ -28,9 +28,10 @@ logger = logging.getLogger(__name__)
 class KFACPreconditioner:
     """Preconditions the gradients of a model's Linear and Conv2d layers with K-FAC.
 
-    Call :meth:`step` between ``loss.backward()`` and ``optimizer.step()``. Hooks capture
-    the layer inputs (forward pre-hook, A) and output gradients (tensor hook, G) on the steps
-    that update factors, and hand each packed factor to the communicate stage at once.
+    Call :meth:`end_forward` after each forward pass and :meth:`step` between the last
+    ``loss.backward()`` of a step and ``optimizer.step()``. Hooks capture the layer inputs (A)
+    and output gradients (G) on the steps that update factors and hand each packed factor to
+    the communicate stage as soon as it is complete (:mod:`kfacflow.kfac.capture`).
 
     Args:
         model: The network (unwrapped; hooks go on its modules).
@@ -39,6 +40,7 @@ class KFACPreconditioner:
         backend: The communication engine.
         profile: Performance models (needed by the ``optimal`` fusion and ``lbp`` placement).
         timer: Where stage times and (when tracing) per-layer events go.
+        accumulate: Forward/backward passes (micro-batches) per step, each loss divided by it.
 
     Raises:
         UserError: If the model has no layer K-FAC can precondition.
@@ -52,9 +54,12 @@ class KFACPreconditioner:
         backend: Backend,
         profile: Profile | None = None,
         timer: StepTimer | None = None,
+        accumulate: int = 1,
     ) -> None:
         self.cfg = cfg
         self.backend = backend
+        self.profile = profile
+        self.placement = stages.placement
         self.timer = timer or StepTimer(backend.device)
         self.layers: list[KFACLayer] = find_layers(model, list(cfg.skip))
         if not self.layers:
@@ -62,7 +67,6 @@ class KFACPreconditioner:
                 "kfac: the model has no Linear or Conv2d layer K-FAC can precondition "
                 "(check kfac.skip, or use kfac.variant=sgd)."
             )
-        self.factor_stage: Any = FACTORS.get(cfg.factor)()
         options = CommOptions(
             threshold_bytes=int(cfg.fusion_threshold_mb * 2**20),
             profile=profile,
@@ -70,23 +74,15 @@ class KFACPreconditioner:
             timer=self.timer,
         )
         self.comm: Any = COMMUNICATORS.get(stages.fusion)(backend, options)
+        self.capture = Capture(self.layers, FACTORS.get(cfg.factor)(), self.comm.push, self.timer, accumulate)
         self.invert: Any = INVERSES.get(stages.inverse)
         self.inverse_kind = KINDS[stages.inverse]
         self.precondition: Any = PRECONDITIONERS.get(cfg.precondition)(cfg.kl_clip)
-        self.keys = [f"{layer.name}/{ab}" for layer in self.layers for ab in ("A", "G")]
-        self.dims = [d for layer in self.layers for d in (layer.a_dim, layer.g_dim)]
-        sizes = [Inverse.flat_size(self.inverse_kind, d) for d in self.dims]
-        self.owners: list[int] = PLACEMENTS.get(stages.placement)(self.dims, sizes, backend.world_size, profile)
-        self.order = schedule(self.dims, self.owners, backend.world_size, profile)
         self.steps = 0
         self.running: dict[str, Tensor] = {}
         """Running averages of the factors, packed (upper triangles): half the memory and work."""
         self.inverses: dict[str, Inverse] = {}
-        self._forward_start: dict[str, float] = {}
-        self._hooks: list[RemovableHandle] = []
-        for layer in self.layers:
-            self._hooks.append(layer.module.register_forward_pre_hook(self._make_a_hook(layer)))
-            self._hooks.append(layer.module.register_forward_hook(self._make_g_hook(layer)))
+        self._plan()
         nct = sum(o == EVERY_RANK for o in self.owners)
         logger.info(
             "K-FAC on %d layers (%s, %s, %s); largest factor %d; %d of %d inverses on every rank",
@@ -99,47 +95,26 @@ class KFACPreconditioner:
             len(self.dims),
         )
 
-    # --- stage: factor (in hooks) ---------------------------------------------------------
+    def _plan(self) -> None:
+        """Name the factors of :attr:`layers` and decide who inverts each (again once unused layers are known)."""
+        self.keys = [f"{layer.name}/{ab}" for layer in self.layers for ab in ("A", "G")]
+        self.dims = [d for layer in self.layers for d in (layer.a_dim, layer.g_dim)]
+        sizes = [Inverse.flat_size(self.inverse_kind, d) for d in self.dims]
+        self.owners: list[int] = PLACEMENTS.get(self.placement)(self.dims, sizes, self.backend.world_size, self.profile)
+        self.order = schedule(self.dims, self.owners, self.backend.world_size, self.profile)
 
-    def capturing(self, module: nn.Module) -> bool:
-        """Whether this forward/backward pass updates factors."""
-        return module.training and torch.is_grad_enabled() and self.steps % self.cfg.factor_update_freq == 0
+    def _keep_layers(self, names: set[str]) -> None:
+        self.layers = [layer for layer in self.layers if layer.name in names]
+        self._plan()
 
-    def _make_a_hook(self, layer: KFACLayer) -> Any:
-        def hook(module: nn.Module, inputs: tuple[Tensor, ...]) -> None:
-            if not self.capturing(module):
-                return
-            x = inputs[0].detach()
-            with torch.no_grad(), self.timer.span("FactorComp", f"{layer.name}/A", "factor"):
-                packed = pack(self.factor_stage.a_factor(module, x))
-            with self.timer.span("FactorComm"):
-                self.comm.push(f"{layer.name}/A", packed)
-            self._forward_start[layer.name] = self.timer.now()
+    # --- stage: factor (hooks in kfacflow.kfac.capture) ------------------------------------------------
 
-        return hook
-
-    def _make_g_hook(self, layer: KFACLayer) -> Any:
-        def hook(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
-            if not self.capturing(module) or not output.requires_grad:
-                return
-            batch = inputs[0].shape[0]
-            start = self._forward_start.pop(layer.name, None)
-            if start is not None:
-                self.timer.record(layer.name, "forward", start, self.timer.now())
-
-            def grad_hook(grad: Tensor) -> None:
-                with torch.no_grad(), self.timer.span("FactorComp", f"{layer.name}/G", "factor"):
-                    packed = pack(self.factor_stage.g_factor(module, grad, batch))
-                with self.timer.span("FactorComm"):
-                    self.comm.push(f"{layer.name}/G", packed)
-
-            output.register_hook(grad_hook)
-
-        return hook
+    def _updates_factors(self) -> bool:
+        return self.steps % self.cfg.factor_update_freq == 0
 
     def end_forward(self) -> None:
-        """Tell the communicate stage the forward pass is over (the trainer calls it)."""
-        if self.steps % self.cfg.factor_update_freq == 0:
+        """Tell the factor and communicate stages a forward pass is over (call it after each one)."""
+        if self._updates_factors() and self.capture.end_forward():
             with self.timer.span("FactorComm"):
                 self.comm.end_forward()
 
@@ -151,10 +126,8 @@ class KFACPreconditioner:
         Args:
             lr: The learning rate the optimizer will use (for KL clipping).
         """
-        if self.steps % self.cfg.factor_update_freq == 0:
-            with self.timer.span("FactorComm"):
-                self.comm.end_backward()
-                averaged = self.comm.wait()
+        if self._updates_factors():
+            averaged = self._collect()
             with self.timer.span("FactorComp"):
                 self._update_factors(averaged)
         if self.steps % self.cfg.inv_update_freq == 0:
@@ -165,25 +138,35 @@ class KFACPreconditioner:
         updates = self.precondition([g for _, g in live], inverses, lr)
         for (layer, _), update in zip(live, updates, strict=True):
             layer.set_grad(update)
-        self.steps += 1
+        self._next_step()
 
     def skip_step(self) -> None:
         """Drop this step's factors (the step is skipped on every rank), keeping collectives in step."""
-        if self.steps % self.cfg.factor_update_freq == 0:
-            with self.timer.span("FactorComm"):
-                self.comm.end_backward()
-                self.comm.wait()
+        if self._updates_factors():
+            self._collect()
+        self._next_step()
+
+    def _next_step(self) -> None:
         self.steps += 1
+        self.capture.active = self._updates_factors()
+
+    def _collect(self) -> dict[str, Tensor]:
+        """Hand over the factors still held, wait for the averages, learn which layers are used."""
+        with self.timer.span("FactorComm"):
+            dropped = self.capture.finish()
+            self.comm.end_backward()
+            averaged: dict[str, Tensor] = self.comm.wait()
+        self.capture.reset()
+        if dropped:
+            self._keep_layers({layer.name for layer in self.capture.layers})
+        return averaged
 
     def _update_factors(self, averaged: dict[str, Tensor]) -> None:
-        missing = [k for k in self.keys if k not in averaged]
-        if missing and not self.running:
-            raise RuntimeError(f"K-FAC received no factor for {missing[:3]}: was the layer used in forward?")
         decay = self.cfg.factor_decay
         with torch.no_grad():
             for key in self.keys:
                 if key not in averaged:
-                    continue
+                    continue  # the layer did not run this step: its average stays
                 new, old = averaged[key], self.running.get(key)
                 if not bool(torch.isfinite(new).all()):
                     # Never blend a non-finite factor into the running average; start one from zero.
@@ -231,21 +214,43 @@ class KFACPreconditioner:
     # --- checkpoints ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Return factors, inverses and the step counter (for checkpoints)."""
+        """Return factors, inverses, the step counter and the layers in use (for checkpoints)."""
         return {
             "steps": self.steps,
             "factors": dict(self.running),
             "inverses": {k: (v.kind, v.tensors) for k, v in self.inverses.items()},
+            "layers": dict(self.capture.uses) if self.capture.uses is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what :meth:`state_dict` returned.
+
+        Raises:
+            UserError: If the checkpoint's factors belong to other layers than this model's
+                (another model, or another ``kfac.skip``).
+        """
+        uses = state.get("layers")
+        if uses is not None:
+            missing = sorted(set(uses) - {layer.name for layer in self.capture.layers})
+            if missing:
+                raise UserError(
+                    f"resume: the checkpoint preconditions layers this run does not ({', '.join(missing[:3])}); "
+                    "resume with the run's own model and kfac.skip, or start a new run."
+                )
+            self.capture.set_uses(uses)
+            self._keep_layers(set(uses))
+        dims = dict(zip(self.keys, self.dims, strict=True))
+        for key, packed in state["factors"].items():
+            if key not in dims or packed.numel() != dims[key] * (dims[key] + 1) // 2:
+                raise UserError(
+                    f"resume: the checkpoint's K-FAC factor {key!r} does not fit this model's layers "
+                    "(model.name or kfac.skip changed?); resume with the run's own settings, or start a new run."
+                )
         self.steps = int(state["steps"])
         self.running = {k: v.clone() for k, v in state["factors"].items()}
         self.inverses = {k: Inverse(kind, tuple(ts)) for k, (kind, ts) in state["inverses"].items()}
+        self.capture.active = self._updates_factors()
 
     def remove(self) -> None:
         """Remove the hooks."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        self.capture.remove()

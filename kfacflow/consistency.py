@@ -1,0 +1,91 @@
+"""Every rank must hold the same parameters: a bit checksum per tensor, compared across ranks.
+
+Ranks apply the same averaged gradient, but what each rank computes on its own (the inverses
+every rank computes, preconditioned gradients) can round differently in the last bit where
+kernels differ (another CPU, another thread count, another GPU model); over a long run the
+replicas would then drift apart without any error. The checksums sum the raw bit patterns, so
+a one-ulp difference changes them, and one small gather compares every tensor at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from kfacflow.dist.base import Backend
+from kfacflow.errors import TrainingError
+
+logger = logging.getLogger(__name__)
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int32}
+
+
+def bit_checksums(tensors: Sequence[Tensor]) -> list[int]:
+    """Return the sum of each tensor's bit patterns (as 16- or 32-bit integers), one per tensor."""
+    if not tensors:
+        return []
+    sums = [t.detach().contiguous().reshape(-1).view(_BITS[t.element_size()]).sum(dtype=torch.int64) for t in tensors]
+    return [int(s) for s in torch.stack(sums).cpu().tolist()]
+
+
+def all_finite(tensors: Sequence[Tensor]) -> bool:
+    """Whether every element of every floating-point tensor is finite."""
+    # Per-tensor flags, not a norm: the norm of large finite values can overflow to inf.
+    flags = [torch.isfinite(t.detach()).all() for t in tensors if t.is_floating_point()]
+    return not flags or bool(torch.stack(flags).all())
+
+
+def check_replicas(model: nn.Module, optimizer: torch.optim.Optimizer, backend: Backend, step: int) -> int:
+    """Check that every rank holds finite parameters identical to rank 0's; repair drift (collective).
+
+    A drifted rank takes rank 0's parameters and optimizer state, with one warning naming the
+    tensors; non-finite parameters (or buffers, such as BatchNorm statistics) cannot be repaired
+    and stop training.
+
+    Args:
+        model: The network (unwrapped).
+        optimizer: Its optimizer (its state is restored together with the parameters).
+        backend: The communication engine.
+        step: The step just finished (for messages).
+
+    Returns:
+        The number of parameter tensors that differed from rank 0's.
+
+    Raises:
+        TrainingError: If any rank's parameters are non-finite.
+    """
+    named = [(name, p) for name, p in model.named_parameters()]
+    params = [p for _, p in named]
+    mine = (bit_checksums(params), all_finite([*params, *model.buffers()]))
+    gathered = backend.gather_objects(mine) if backend.world_size > 1 else [mine]
+    bad = [rank for rank, (_, finite) in enumerate(gathered) if not finite]
+    if bad:
+        raise TrainingError(
+            f"the parameters are non-finite after step {step} on rank(s) {bad}: an update overflowed. Lower "
+            "optim.lr, raise kfac.damping or kfac.kl_clip, or check optim.weight_decay; resume from an earlier "
+            "checkpoint."
+        )
+    reference = gathered[0][0]
+    differ = [i for i in range(len(named)) if any(sums[i] != reference[i] for sums, _ in gathered[1:])]
+    if not differ:
+        return 0
+    ranks = sorted({r for r, (sums, _) in enumerate(gathered) if any(sums[i] != reference[i] for i in differ)})
+    logger.warning(
+        "after step %d, %d parameter tensors differ between ranks (first: %s, on rank(s) %s): rounding that "
+        "differs between workers; every rank now takes rank 0's parameters and optimizer state",
+        step,
+        len(differ),
+        named[differ[0]][0],
+        ranks,
+    )
+    with torch.no_grad():
+        for p in params:
+            backend.broadcast_async(p.data, 0).wait()
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, Tensor):
+                    backend.broadcast_async(value, 0).wait()
+    return len(differ)

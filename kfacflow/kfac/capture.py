@@ -1,0 +1,305 @@
+"""Stage *factor* in the hooks: each layer's A and G from all its calls and micro-batches of a step.
+
+A layer hands its factors to the communicate stage as soon as they are complete, which for
+the usual layer called once per forward pass is at once (SPD's pipelining). Two things make a
+step's factors span several captures, and both are combined here so that one all-reduce
+carries the step's factors:
+
+- **Micro-batches** (gradient accumulation): ``k`` forward/backward passes of ``N`` examples
+  whose losses are each divided by ``k``. A is the mean of every row of every pass; G is
+  computed as one batch of ``k N`` examples would give it: ``G = k N sum g g^T`` over the
+  output gradients of all passes (each pass's hook computes ``N sum g g^T``).
+- **Several calls per forward pass** (one module applied twice: shared weights): each call's
+  rows count as more rows of the same examples, as K-FAC-expand treats weight sharing
+  (Eschenhagen et al. 2023): A averages the rows of every call and the G of the calls add up.
+
+How many times each layer runs per forward pass is learnt on the first capturing step, when
+the factors are handed over only once the forward (A) and backward (G) passes are over; layers
+whose forward never ran (e.g. ``MultiheadAttention.out_proj``, whose weight it uses directly)
+or whose output got no gradient are then left to the plain optimizer. From then on a layer
+that runs more often than it did is an error, never a silent mismatch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from kfacflow.errors import UserError
+from kfacflow.kfac.factors import pack
+from kfacflow.kfac.layers import KFACLayer
+from kfacflow.timing import StepTimer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Sum:
+    """``sum_i w_i t_i`` over packed factors; a single contribution is kept unscaled (no rounding)."""
+
+    value: Tensor
+    weight: float
+    total_weight: float = 0.0
+    parts: int = 1
+
+    def __post_init__(self) -> None:
+        self.total_weight = self.weight
+
+    def add(self, value: Tensor, weight: float) -> None:
+        """Add ``weight * value``."""
+        if self.parts == 1:
+            self.value = self.value * self.weight
+        self.value.add_(value, alpha=weight)
+        self.total_weight += weight
+        self.parts += 1
+
+
+@dataclass
+class _LayerCapture:
+    """One layer's factors of the current step, while its calls come in."""
+
+    a: _Sum | None = None
+    g: _Sum | None = None
+    examples: int = 0
+    """Examples of the step: the batch of the layer's first call in each micro-batch."""
+    a_calls: int = 0
+    """Forward calls in the current micro-batch."""
+    g_calls: int = 0
+    """Output gradients in the current micro-batch."""
+    a_sent: bool = False
+    g_sent: bool = False
+    calls_seen: list[int] = field(default_factory=list)
+    """Forward calls of every finished micro-batch (the first step learns ``uses`` from it)."""
+
+    def a_factor(self) -> Tensor:
+        """A over every row of the step."""
+        assert self.a is not None
+        return self.a.value if self.a.parts == 1 else self.a.value / self.a.total_weight
+
+    def g_factor(self) -> Tensor:
+        """G as one batch of all the step's examples gives it (each part was added with weight 1/N)."""
+        assert self.g is not None
+        return self.g.value if self.g.parts == 1 else self.g.value * self.examples
+
+
+class Capture:
+    """Registers the factor hooks on the layers and hands complete factors to ``push``.
+
+    The calls each factor-update step: hooks during every micro-batch's forward and backward,
+    :meth:`end_forward` after each forward pass, :meth:`finish` after the last backward pass
+    (before the communicate stage's ``end_backward``). :attr:`active` says whether this step
+    updates factors; the preconditioner sets it.
+
+    Args:
+        layers: The candidate layers (those never used are dropped on the first step).
+        factors: The factor stage (``a_factor_rows``, ``g_factor``).
+        push: Where a complete packed factor goes (``"<layer>/A"`` or ``"<layer>/G"``).
+        timer: Stage times and, when tracing, per-layer events.
+        accumulate: Micro-batches (forward/backward passes) per step.
+    """
+
+    def __init__(
+        self,
+        layers: list[KFACLayer],
+        factors: Any,
+        push: Callable[[str, Tensor], None],
+        timer: StepTimer,
+        accumulate: int = 1,
+    ) -> None:
+        self.layers = layers
+        self.factors = factors
+        self.push = push
+        self.timer = timer
+        self.accumulate = accumulate
+        self.active = True
+        self.uses: dict[str, int] | None = None
+        """Forward calls per pass of each layer kept, learnt on the first capturing step."""
+        self.micro = 0
+        """Forward passes finished in this step (``end_forward`` calls)."""
+        self.captures: dict[str, _LayerCapture] = {}
+        self._a_order: list[str] = []
+        self._g_order: list[str] = []
+        self._forward_start: dict[str, float] = {}
+        self._hooks: dict[str, list[RemovableHandle]] = {
+            layer.name: [
+                layer.module.register_forward_pre_hook(self._a_hook(layer)),
+                layer.module.register_forward_hook(self._g_hook(layer)),
+            ]
+            for layer in layers
+        }
+
+    def capturing(self, module: nn.Module) -> bool:
+        """Whether this call of ``module`` contributes to the factors."""
+        return self.active and module.training and torch.is_grad_enabled()
+
+    # --- hooks ------------------------------------------------------------------------------------
+
+    def _a_hook(self, layer: KFACLayer) -> Any:
+        def hook(module: nn.Module, inputs: tuple[Tensor, ...]) -> None:
+            if not self.capturing(module):
+                return
+            if self.micro >= self.accumulate:
+                raise UserError(
+                    f"kfac: layer {layer.name!r} ran a forward pass after the last one of the step "
+                    f"({self.accumulate} per step): K-FAC cannot tell a recomputation (activation "
+                    "checkpointing) or an extra forward from a new micro-batch. Turn checkpointing off, or "
+                    f"add {layer.name!r} to kfac.skip."
+                )
+            x = inputs[0].detach()
+            cap = self.captures.setdefault(layer.name, _LayerCapture())
+            if cap.a_calls == 0:
+                cap.examples += x.shape[0]
+                if layer.name not in self._a_order:
+                    self._a_order.append(layer.name)
+            cap.a_calls += 1
+            if self.uses is not None and cap.a_calls > self.uses.get(layer.name, 0):
+                raise UserError(
+                    f"kfac: layer {layer.name!r} ran {cap.a_calls} times in one forward pass but "
+                    f"{self.uses.get(layer.name, 0)} times in the first; K-FAC needs the same calls every step "
+                    f"(add {layer.name!r} to kfac.skip)."
+                )
+            with torch.no_grad(), self.timer.span("FactorComp", f"{layer.name}/A", "factor"):
+                factor, rows = self.factors.a_factor_rows(module, layer.layer_input(x))
+                packed = pack(factor)
+            if cap.a is None:
+                cap.a = _Sum(packed, float(rows))
+            else:
+                cap.a.add(packed, float(rows))
+            if self._last_call(layer, cap.a_calls, self.micro):
+                self._send(layer, "A", cap)
+            self._forward_start[layer.name] = self.timer.now()
+
+        return hook
+
+    def _g_hook(self, layer: KFACLayer) -> Any:
+        def hook(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
+            if not self.capturing(module) or not isinstance(output, Tensor) or not output.requires_grad:
+                return
+            batch = inputs[0].shape[0]
+            start = self._forward_start.pop(layer.name, None)
+            if start is not None:
+                self.timer.record(layer.name, "forward", start, self.timer.now())
+
+            def grad_hook(grad: Tensor) -> None:
+                cap = self.captures[layer.name]
+                cap.g_calls += 1
+                if layer.name not in self._g_order:
+                    self._g_order.append(layer.name)
+                with torch.no_grad(), self.timer.span("FactorComp", f"{layer.name}/G", "factor"):
+                    packed = pack(self.factors.g_factor(module, grad, batch))
+                if cap.g is None:
+                    cap.g = _Sum(packed, 1.0 / batch)
+                else:
+                    cap.g.add(packed, 1.0 / batch)
+                if self._last_call(layer, cap.g_calls, self.micro - 1):
+                    self._send(layer, "G", cap)
+
+            output.register_hook(grad_hook)
+
+        return hook
+
+    def _last_call(self, layer: KFACLayer, calls: int, micro: int) -> bool:
+        """Whether this call completes the layer's factor (known only once ``uses`` is learnt)."""
+        return self.uses is not None and micro == self.accumulate - 1 and calls == self.uses[layer.name]
+
+    def _send(self, layer: KFACLayer, side: str, cap: _LayerCapture) -> None:
+        factor = cap.a_factor() if side == "A" else cap.g_factor()
+        with self.timer.span("FactorComm"):
+            self.push(f"{layer.name}/{side}", factor)
+        if side == "A":
+            cap.a_sent = True
+        else:
+            cap.g_sent = True
+
+    # --- step boundaries ------------------------------------------------------------------------------
+
+    def end_forward(self) -> bool:
+        """Close a forward pass; return whether it was the step's last (A factors are all sent then)."""
+        self.micro += 1
+        for cap in self.captures.values():
+            cap.calls_seen.append(cap.a_calls)
+            cap.a_calls = cap.g_calls = 0
+        if self.micro < self.accumulate:
+            return False
+        self._send_rest("A")
+        return True
+
+    def finish(self) -> list[KFACLayer]:
+        """Send the G factors still held, after the step's last backward pass.
+
+        Returns:
+            The layers dropped on the first step (never run, or no gradient); empty afterwards.
+
+        Raises:
+            RuntimeError: If the step had another number of forward passes than ``accumulate``.
+            UserError: If no layer ran at all.
+        """
+        if self.micro != self.accumulate:
+            raise RuntimeError(
+                f"K-FAC expected {self.accumulate} forward passes (end_forward calls) before step(), got {self.micro}"
+            )
+        self._send_rest("G")
+        return self._learn_uses() if self.uses is None else []
+
+    def _send_rest(self, side: str) -> None:
+        """Send the factors of one side not sent yet, in the order they were first captured."""
+        by_name = {layer.name: layer for layer in self.layers}
+        for name in self._a_order if side == "A" else self._g_order:
+            cap = self.captures.get(name)
+            if cap is None or name not in by_name or (cap.a if side == "A" else cap.g) is None:
+                continue
+            if not (cap.a_sent if side == "A" else cap.g_sent):
+                self._send(by_name[name], side, cap)
+
+    def reset(self) -> None:
+        """Forget this step's captures (after the communicate stage returned them)."""
+        self.micro = 0
+        self.captures = {}
+
+    def _learn_uses(self) -> list[KFACLayer]:
+        kept, dropped = [], []
+        for layer in self.layers:
+            cap = self.captures.get(layer.name)
+            if cap is None or cap.g is None:
+                why = "its forward never ran (its weight is used directly, as MultiheadAttention does with out_proj)"
+                if cap is not None:
+                    why = "its output got no gradient"
+                logger.info("K-FAC leaves %s to the optimizer: %s", layer.name, why)
+                dropped.append(layer)
+                continue
+            kept.append(layer)
+            if cap.calls_seen[-1] > 1:
+                logger.info(
+                    "K-FAC: %s runs %d times per forward pass (shared weights); each call's rows count in A and G",
+                    layer.name,
+                    cap.calls_seen[-1],
+                )
+        if not kept:
+            raise UserError(
+                "kfac: none of the model's Linear or Conv2d layers ran in the forward pass with a gradient "
+                "(use kfac.variant=sgd)."
+            )
+        self.set_uses({layer.name: self.captures[layer.name].calls_seen[-1] for layer in kept})
+        return dropped
+
+    def set_uses(self, uses: dict[str, int]) -> None:
+        """Keep only the layers in ``uses`` (learnt, or restored from a checkpoint)."""
+        self.uses = dict(uses)
+        for layer in self.layers:
+            if layer.name not in self.uses:
+                for handle in self._hooks.pop(layer.name, []):
+                    handle.remove()
+        self.layers = [layer for layer in self.layers if layer.name in self.uses]
+
+    def remove(self) -> None:
+        """Remove the hooks."""
+        for handles in self._hooks.values():
+            for handle in handles:
+                handle.remove()
+        self._hooks = {}

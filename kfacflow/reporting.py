@@ -1,0 +1,137 @@
+"""What a run shows and keeps on rank 0: progress bar, TensorBoard, timings.jsonl, the traced step, the summary.
+
+The trainer gathers the numbers (the collectives stay in the loop); this observer only writes them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import statistics
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from kfacflow import rundir
+from kfacflow.config import to_yaml
+from kfacflow.timing import summarize
+
+logger = logging.getLogger(__name__)
+
+TIMINGS = "timings.jsonl"
+
+
+class Reporter:
+    """Rank 0's view of the run (every method is a no-op on other ranks).
+
+    Args:
+        cfg: The recipe.
+        run_dir: The run folder.
+        rank: This worker's rank.
+    """
+
+    def __init__(self, cfg: DictConfig, run_dir: Path, rank: int) -> None:
+        self.cfg, self.run_dir, self.on = cfg, run_dir, rank == 0
+        self.writer: Any = None
+        self.bar: Any = None
+        self.timings: list[dict[str, float]] = []
+        """The breakdown of every step this process trained (for the means in the summary)."""
+        self._written = 0
+
+    def open(self, step: int, total: int) -> None:
+        """Start TensorBoard (dropping events after ``step`` from an earlier life of the run) and the bar."""
+        if not self.on:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(self.run_dir), purge_step=step or None)
+        self.writer.add_text("config", "```\n" + to_yaml(self.cfg) + "\n```", step)
+        if self.cfg.train.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=step, desc=self.cfg.name, unit="step", dynamic_ncols=True)
+
+    def advance(self, loss: float, epoch: int) -> None:
+        """Move the bar by one step."""
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.4f}", epoch=epoch)
+
+    def step_timed(self, parts: dict[str, float]) -> None:
+        """Keep one trained step's breakdown."""
+        self.timings.append(parts)
+
+    def train_scalars(self, step: int, loss: float, acc: float, lr: float) -> None:
+        """Write the training scalars and the breakdown of the steps since the last call, and append timings.jsonl.
+
+        Raises:
+            StorageError: If timings.jsonl cannot be written.
+        """
+        if not self.on:
+            return
+        self.writer.add_scalar("train/loss", loss, step)
+        self.writer.add_scalar("train/acc", acc, step)
+        self.writer.add_scalar("train/lr", lr, step)
+        fresh = self.timings[self._written :]
+        if fresh:
+            self.writer.add_scalar("time/step_s", fresh[-1]["total"], step)
+        for part, seconds in summarize(fresh, 0).items():
+            self.writer.add_scalar(f"breakdown/{part}", seconds, step)
+        lines = [json.dumps({"step": self._written + i + 1, **p}) + "\n" for i, p in enumerate(fresh)]
+        rundir.append_lines(self.run_dir / TIMINGS, lines)
+        self._written = len(self.timings)
+
+    def evaluation(self, record: dict[str, float]) -> None:
+        """Write one evaluation."""
+        if not self.on:
+            return
+        self.writer.add_scalar("val/loss", record["val_loss"], record["step"])
+        self.writer.add_scalar("val/acc", record["val_acc"], record["step"])
+        logger.info("epoch %g: val_loss %.4f val_acc %.4f", record["epoch"], record["val_loss"], record["val_acc"])
+
+    def timeline(self, events: list[Any], layers: list[Any], parts: dict[str, float], step: int, world: int) -> None:
+        """Write the traced step: layers.json, the Chrome trace and its picture (also to TensorBoard)."""
+        if not self.on:
+            return
+        from kfacflow.timeline import layer_profile, write_timeline
+
+        cfg = self.cfg
+        profile = layer_profile(events, layers, parts, world, cfg.data.batch_size)
+        profile = {"model": cfg.model.name, "image_size": cfg.data.image_size, **profile}
+        rundir.write_atomic(self.run_dir / "layers.json", json.dumps(profile, indent=1).encode())
+        figure = write_timeline(events, self.run_dir, f"{cfg.name}: step {step} ({cfg.kfac.variant})")
+        if figure is not None:
+            self.writer.add_figure("timeline", figure, step)
+
+    def close(self) -> None:
+        """Close the bar and TensorBoard."""
+        if self.bar is not None:
+            self.bar.close()
+        if self.writer is not None:
+            self.writer.close()
+
+    def summary(self, trainer: Any, train_loss: float | None, seconds: float) -> dict[str, Any]:
+        """Return what ``summary.json`` holds."""
+        warm = self.cfg.train.timing_warmup
+        times = [p["total"] for p in self.timings]
+        times = times[warm:] or times
+        last = trainer.history[-1] if trainer.history else {"val_loss": None, "val_acc": None}
+        return {
+            "train_loss": train_loss,
+            "val_loss": last["val_loss"],
+            "val_acc": last["val_acc"],
+            "steps": trainer.step,
+            "epochs": trainer.step / trainer.steps_per_epoch,
+            "world_size": trainer.world,
+            "variant": self.cfg.kfac.variant,
+            "stages": vars(trainer.stages),
+            "seconds": seconds,
+            "step_time_median_s": statistics.median(times) if times else None,
+            "breakdown_mean_s": summarize(self.timings, warm),
+            "history": trainer.history,
+            "skipped_steps": trainer.skipped_steps,
+            "repaired_params": trainer.repaired,
+            "stopped_by": signal.Signals(trainer.stopped_by).name if trainer.stopped_by else None,
+        }

@@ -1,0 +1,164 @@
+"""The factor hooks: a layer called twice per forward, layers never called, and forwards K-FAC cannot place."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+import kfacflow.kfac  # noqa: F401  (fills the registries)
+from kfacflow.config import DistConfig, KFACConfig
+from kfacflow.dist.torch import TorchBackend
+from kfacflow.errors import UserError
+from kfacflow.kfac.preconditioner import KFACPreconditioner
+from kfacflow.kfac.variants import resolve
+
+DT = torch.float64
+
+
+@pytest.fixture
+def backend(monkeypatch: pytest.MonkeyPatch) -> TorchBackend:
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    return TorchBackend(DistConfig(device="cpu"))
+
+
+class Twice(nn.Module):
+    """``fc`` applied to two inputs (shared weights), then a head: fc runs twice per forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 4)
+        self.head = nn.Linear(4, 2)
+        self.calls = 2
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = sum(torch.tanh(self.fc(x * (i + 1))) for i in range(self.calls))
+        assert isinstance(h, Tensor)
+        return self.head(h)
+
+
+def _pre(backend: TorchBackend, model: nn.Module, **kw: Any) -> KFACPreconditioner:
+    cfg = KFACConfig(factor_decay=0.0, kl_clip=0.0, damping=0.01, **kw)
+    return KFACPreconditioner(model, cfg, resolve(cfg), backend)
+
+
+def _step(model: nn.Module, pre: KFACPreconditioner, x: Tensor, y: Tensor) -> None:
+    model.zero_grad()
+    out = model(x)
+    pre.end_forward()
+    F.cross_entropy(out, y).backward()
+    pre.step(lr=0.1)
+
+
+def test_a_layer_called_twice_counts_every_call_in_a_and_g(backend: TorchBackend) -> None:
+    torch.manual_seed(0)
+    model = Twice().to(DT)
+    seen: list[dict[str, Tensor]] = []
+
+    def spy(module: nn.Module, inputs: tuple[Tensor, ...], out: Tensor) -> None:
+        rec = {"x": inputs[0].detach().clone()}
+        seen.append(rec)
+        out.register_hook(lambda g: rec.__setitem__("go", g.detach().clone()))
+
+    model.fc.register_forward_hook(spy)
+    pre = _pre(backend, model)
+    n = 5
+    x = torch.randn(n, 3, dtype=DT, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(2))
+    _step(model, pre, x, y)
+    assert len(seen) == 2
+    # By hand (K-FAC-expand for weight sharing): A averages the rows of both calls, G adds their terms.
+    rows = [torch.cat([rec["x"][i], torch.ones(1, dtype=DT)]) for rec in seen for i in range(n)]
+    a = sum(torch.outer(r, r) for r in rows) / len(rows)
+    g = sum(torch.outer(n * rec["go"][i], n * rec["go"][i]) for rec in seen for i in range(n)) / n
+    torch.testing.assert_close(pre.factors["fc/A"], a, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(pre.factors["fc/G"], g, rtol=1e-12, atol=1e-14)
+    assert pre.capture.uses == {"fc": 2, "head": 1}
+    # Later steps hand the factor over at its second call and give the same mathematics.
+    seen.clear()
+    _step(model, pre, x, y)
+    rows = [torch.cat([rec["x"][i], torch.ones(1, dtype=DT)]) for rec in seen for i in range(n)]
+    torch.testing.assert_close(pre.factors["fc/A"], sum(torch.outer(r, r) for r in rows) / len(rows))
+
+
+def test_more_calls_than_the_first_step_is_an_error(backend: TorchBackend) -> None:
+    torch.manual_seed(0)
+    model = Twice().to(DT)
+    model.calls = 1
+    pre = _pre(backend, model)
+    x, y = torch.randn(4, 3, dtype=DT), torch.tensor([0, 1, 0, 1])
+    _step(model, pre, x, y)
+    model.calls = 2
+    with pytest.raises(UserError, match=r"'fc' ran 2 times in one forward pass but 1 times in the first.*kfac.skip"):
+        _step(model, pre, x, y)
+
+
+def test_fewer_calls_than_the_first_step_still_hands_over_the_factors(backend: TorchBackend) -> None:
+    torch.manual_seed(0)
+    model = Twice().to(DT)
+    pre = _pre(backend, model)
+    x, y = torch.randn(4, 3, dtype=DT), torch.tensor([0, 1, 0, 1])
+    _step(model, pre, x, y)
+    model.calls = 1
+    _step(model, pre, x, y)
+    rows = torch.cat([x, torch.ones(4, 1, dtype=DT)], dim=1)
+    torch.testing.assert_close(pre.factors["fc/A"], rows.T @ rows / 4)
+
+
+class Attention(nn.Module):
+    """MultiheadAttention uses ``out_proj.weight`` directly: that Linear's forward never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h, _ = self.attn(x, x, x)
+        return self.head(h.mean(1))
+
+
+def test_a_layer_whose_forward_never_runs_is_left_to_the_optimizer(
+    backend: TorchBackend, caplog: pytest.LogCaptureFixture
+) -> None:
+    torch.manual_seed(0)
+    model = Attention().to(DT)
+    pre = _pre(backend, model)
+    assert [layer.name for layer in pre.layers] == ["attn.out_proj", "head"]
+    x, y = torch.randn(3, 5, 4, dtype=DT), torch.tensor([0, 1, 1])
+    with caplog.at_level(logging.INFO):
+        _step(model, pre, x, y)
+    assert [layer.name for layer in pre.layers] == ["head"]
+    assert pre.keys == ["head/A", "head/G"] and len(pre.owners) == 2
+    assert any("attn.out_proj" in r.message and "never ran" in r.message for r in caplog.records)
+    grad = model.attn.out_proj.weight.grad
+    assert grad is not None and torch.isfinite(grad).all()
+    _step(model, pre, x, y)  # and training goes on
+    state = pre.state_dict()
+    assert state["layers"] == {"head": 1}
+
+
+class Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = checkpoint(lambda t: torch.tanh(self.fc(t)), x, use_reentrant=False)
+        return self.head(h)
+
+
+def test_activation_checkpointing_is_an_error_not_a_mismatch(backend: TorchBackend) -> None:
+    torch.manual_seed(0)
+    model = Checkpointed().to(DT)
+    pre = _pre(backend, model)
+    x = torch.randn(4, 3, dtype=DT, requires_grad=True)
+    with pytest.raises(UserError, match=r"'fc' ran a forward pass after the last one.*checkpointing"):
+        _step(model, pre, x, torch.tensor([0, 1, 0, 1]))
