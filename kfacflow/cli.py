@@ -6,9 +6,8 @@ import argparse
 import logging
 import sys
 
-from kfacflow import registry
-from kfacflow.config import check_out_dir, load, to_yaml
-from kfacflow.errors import UserError, did_you_mean
+from kfacflow import UserError, build, did_you_mean, registry
+from kfacflow.config import load, to_yaml
 
 USAGE = """Train a recipe. Recipes merge left to right, then key.sub=value overrides apply.
 
@@ -46,7 +45,7 @@ def _is_key(text: str) -> bool:
 
 def list_entries(kind: str) -> str:
     """Return the registry listing for ``kind`` (or every kind for ``"all"``)."""
-    registry.load_all()
+    build.load_plugins()
     if kind != "all" and kind not in registry.ALL:
         hint = did_you_mean(kind, registry.ALL)
         raise UserError(f"--list: unknown kind {kind!r}.{hint} Kinds: {', '.join(registry.ALL)}.")
@@ -72,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.recipes and not any(o.startswith("resume=") for o in args.overrides):
             raise UserError("give a recipe, e.g. `python run.py recipes/quickstart.yaml` (or resume=<run dir>).")
         cfg = load(args.recipes, args.overrides)
+        build.check(cfg)
         if args.print_config:
             print(to_yaml(cfg), end="")
             return 0
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.resume:  # a resumed run writes into its own folder, and must fit its checkpoint
             check_before_start(cfg, launched_world_size() if under_launcher() else cfg.launch.nproc)
         else:
-            check_out_dir(cfg.out_dir)
+            build.check_out_dir(cfg.out_dir)
         check_data(cfg.data)
         if under_launcher() or cfg.launch.nproc == 1:
             worker(to_yaml(cfg), argv, announce=True)

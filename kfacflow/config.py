@@ -6,14 +6,13 @@ import math
 import os
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Literal, Optional, get_type_hints
+from typing import Any, Literal, Optional, get_type_hints
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from kfacflow.errors import UserError
-from kfacflow.yamlfile import read_yaml
+from kfacflow import UserError
 
 
 def _number(x: float) -> str:
@@ -250,6 +249,93 @@ class RunConfig:
     kfac: KFACConfig = field(default_factory=KFACConfig)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that rejects a key given twice in one mapping (plain YAML keeps the last).
+
+    :meth:`construct_document` first notes the key path of every mapping node, so that the
+    mapping constructor can name the duplicate as ``section.key``.
+    """
+
+    def __init__(self, stream: str, where: str) -> None:
+        super().__init__(stream)
+        self.where = where
+        self.paths: dict[int, str] = {}
+
+    def _note_paths(self, node: yaml.Node, path: str) -> None:
+        if id(node) in self.paths:  # an alias of a node already seen
+            return
+        self.paths[id(node)] = path
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                name = key.value if isinstance(key, yaml.ScalarNode) else "?"
+                self._note_paths(value, f"{path}.{name}" if path else name)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                self._note_paths(item, f"{path}[{i}]")
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        """Construct the document after noting where each mapping is."""
+        self._note_paths(node, "")
+        return super().construct_document(node)
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:  # type: ignore[override]
+        """Construct a mapping, rejecting a duplicate key (``<<`` merge keys may be overridden)."""
+        first: dict[str, int] = {}
+        for key, _ in node.value:
+            if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+                continue
+            line = key.start_mark.line + 1
+            if key.value in first:
+                prefix = self.paths.get(id(node), "")
+                name = f"{prefix}.{key.value}" if prefix else key.value
+                raise UserError(
+                    f"{self.where}: key {name!r} is given twice (lines {first[key.value]} and {line}); keep one."
+                )
+            first[key.value] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(path: str | Path, where: str, give: str) -> object:
+    """Read one YAML file strictly: UTF-8 text, valid YAML, no key given twice in a mapping.
+
+    Args:
+        path: The file.
+        where: How messages name it, e.g. ``recipe 'x.yaml'``.
+        give: What to give instead of a folder, e.g. ``a YAML file such as recipes/quickstart.yaml``.
+
+    Returns:
+        The parsed document (None for an empty file).
+
+    Raises:
+        UserError: One line naming ``where`` and what to do.
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise UserError(f"{where} is a folder; give {give}.")
+    try:
+        data = p.read_bytes()
+    except OSError as err:
+        raise UserError(f"{where} cannot be read ({err.strerror or err}); check that it is a readable file.") from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise UserError(
+            f"{where} is not UTF-8 text (byte 0x{data[err.start]:02x} on line {line}); save it as UTF-8."
+        ) from None
+    loader = _UniqueKeyLoader(text, where)
+    try:
+        return loader.get_single_data()
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        problem = getattr(err, "problem", None)
+        if mark is not None and problem:
+            raise UserError(f"{where} is not valid YAML (line {mark.line + 1}: {problem}); fix that line.") from None
+        raise UserError(f"{where} is not valid YAML ({str(err).splitlines()[0]}).") from None
+    finally:
+        loader.dispose()
+
+
 def _omegaconf_message(err: OmegaConfBaseException, where: str) -> str:
     msg = str(getattr(err, "msg", None) or err).splitlines()[0]
     key = getattr(err, "full_key", None)
@@ -305,8 +391,8 @@ def load(recipes: list[str], overrides: list[str]) -> DictConfig:
         The validated config (a structured ``DictConfig`` of :class:`RunConfig`).
 
     Raises:
-        UserError: Unknown key, wrong type, unreadable recipe, unknown registry name, or a
-            cross-field rule broken.
+        UserError: Unknown key, wrong type, a value out of range, an unreadable recipe, or a
+            rule across keys broken (registry names are :func:`kfacflow.build.check`'s).
     """
     cfg = OmegaConf.structured(RunConfig)
     for bad in (o for o in overrides if "=" not in o):
@@ -359,59 +445,15 @@ def _check_name(name: str) -> None:
         )
 
 
-def check_out_dir(out_dir: str) -> None:
-    """Check that run folders can be created under ``out_dir``, creating nothing.
-
-    The nearest existing folder on the way to ``out_dir`` (``out_dir`` itself if it exists) must
-    be a folder this process may write to.
-
-    Raises:
-        UserError: Naming ``out_dir``.
-    """
-    path = Path(out_dir).absolute()
-    while not os.path.exists(path) and path != path.parent:
-        path = path.parent
-    if not path.is_dir():
-        raise UserError(
-            f"out_dir={out_dir!r} cannot hold run folders: {str(path)!r} is a file, not a folder; "
-            "set out_dir to a folder (it is created if missing)."
-        )
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise UserError(
-            f"out_dir={out_dir!r} cannot hold run folders: {str(path)!r} is not writable; "
-            "set out_dir to a folder you can write to."
-        )
-
-
 def check(cfg: DictConfig) -> None:
-    """Range, cross-field and registry checks that the types alone cannot express.
+    """The rules the types alone cannot express: ranges, the run's name, rules across keys.
 
-    Every numeric key is checked against the ``Range`` in its field's metadata.
+    Every numeric key is checked against the ``Range`` in its field's metadata. Names of
+    registry entries and the files a recipe points at are checked by :func:`kfacflow.build.check`.
 
     Raises:
         UserError: Naming the key to change.
     """
-    from kfacflow import registry
-
-    registry.load_all()
-    k = cfg.kfac
-    registry.DATASETS.get(cfg.data.name)
-    registry.OPTIMIZERS.get(cfg.optim.name)
-    registry.SCHEDULES.get(cfg.schedule.name)
-    registry.BACKENDS.get(cfg.dist.backend)
-    registry.VARIANTS.get(k.variant)
-    registry.FACTORS.get(k.factor)
-    registry.PRECONDITIONERS.get(k.precondition)
-    for stage, reg in (
-        ("fusion", registry.COMMUNICATORS),
-        ("placement", registry.PLACEMENTS),
-        ("inverse", registry.INVERSES),
-    ):
-        if k[stage] is not None:
-            reg.get(k[stage])
-    from kfacflow.models import check_name
-
-    check_name(cfg.model.name)
     _check_ranges(cfg, RunConfig)
     _check_name(cfg.name)
     if cfg.optim.nesterov and cfg.optim.momentum <= 0:
@@ -419,45 +461,11 @@ def check(cfg: DictConfig) -> None:
             f"optim.nesterov=true needs optim.momentum > 0 (it is {cfg.optim.momentum}); "
             "set optim.momentum (e.g. 0.9) or optim.nesterov=false."
         )
+    k = cfg.kfac
     if k.inv_update_freq % k.factor_update_freq:
         raise UserError(
             f"kfac.inv_update_freq={k.inv_update_freq} must be a multiple of "
             f"kfac.factor_update_freq={k.factor_update_freq}."
-        )
-    if k.profile:
-        from kfacflow.perf import Profile
-
-        Profile.load(k.profile)
-    if cfg.resume:
-        from kfacflow.rundir import CHECKPOINTS, checkpoints
-
-        if not Path(cfg.resume).is_dir():
-            raise UserError(f"resume: {cfg.resume!r} is not a run folder.")
-        if not checkpoints(Path(cfg.resume)):
-            raise UserError(
-                f"resume: {cfg.resume!r} has no checkpoint in {CHECKPOINTS}/; start a new run without resume=."
-            )
-    if cfg.dist.backend == "horovod":
-        _check_horovod(cfg.launch.nproc)
-    if cfg.dist.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UserError("dist.device=cuda but no CUDA device is visible; use dist.device=auto or cpu.")
-
-
-def _check_horovod(nproc: int) -> None:
-    import importlib.util
-
-    from kfacflow.dist.horovod import INSTALL_HINT
-    from kfacflow.launch import under_mpi_launcher
-
-    if importlib.util.find_spec("horovod") is None:
-        raise UserError(f"dist.backend=horovod: Horovod is not installed; {INSTALL_HINT}.")
-    if nproc > 1 and not under_mpi_launcher():
-        raise UserError(
-            f"dist.backend=horovod starts no workers itself: run `horovodrun -np {nproc} -H localhost:{nproc} "
-            "--gloo python run.py RECIPE dist.backend=horovod` (launch.nproc is then ignored)."
         )
 
 

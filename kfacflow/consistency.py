@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from kfacflow.dist.base import Backend
-from kfacflow.errors import TrainingError
+from kfacflow import TrainingError
+from kfacflow.comm.base import Backend
 
 logger = logging.getLogger(__name__)
 

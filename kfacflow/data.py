@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset, TensorDataset
 
+from kfacflow import DataError, UserError
 from kfacflow.config import DataConfig
-from kfacflow.errors import DataError, UserError
 from kfacflow.registry import DATASETS
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from kfacflow.errors import StorageError, TrainingError, UserError
+from kfacflow import StorageError, TrainingError, UserError
 
 logger = logging.getLogger(__name__)
 

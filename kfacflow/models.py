@@ -9,7 +9,7 @@ import torch
 import torchvision
 from torch import nn
 
-from kfacflow.errors import UserError, did_you_mean
+from kfacflow import UserError, did_you_mean
 from kfacflow.registry import MODELS
 
 logger = logging.getLogger(__name__)

@@ -16,9 +16,9 @@ import torch
 import yaml
 from scipy.optimize import least_squares
 
-from kfacflow.dist.base import Backend
-from kfacflow.errors import UserError, did_you_mean
-from kfacflow.yamlfile import read_yaml
+from kfacflow import UserError, did_you_mean
+from kfacflow.comm.base import Backend
+from kfacflow.config import read_yaml
 
 
 @dataclass
@@ -249,7 +249,7 @@ def measure(
     Returns:
         ``{"allreduce": [[elements, seconds], ...], "broadcast": ..., "inverse": [[d, seconds], ...]}``.
     """
-    from kfacflow.kfac.factors import pack, unpack  # kfacflow.kfac imports this module
+    from kfacflow.kfac.packing import pack, unpack  # kfacflow.kfac imports this module
 
     device = backend.device
     out: dict[str, list[list[float]]] = {"allreduce": [], "broadcast": [], "inverse": []}

@@ -1,23 +1,36 @@
-"""One small ``Registry`` class: named builders with a one-line description each."""
+"""One small ``Registry`` class and every registry instance; it imports nothing else of kfacflow.
+
+The modules that register entries (the plugins) are imported by :mod:`kfacflow.build`; the
+types of the entries are the stage contracts of :mod:`kfacflow.kfac.stages`, imported for mypy only.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from kfacflow.errors import UserError, did_you_mean
+from kfacflow import UserError, did_you_mean
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.utils.data import Dataset
+
+    from kfacflow.comm.base import Backend
+    from kfacflow.kfac.stages import FactorStage, FusionFactory, InverseMethod, Placement, PreconditionFactory, Variant
 
 T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class Entry(Generic[T]):
-    """A registered object and the line that describes it."""
+    """A registered object, the line that describes it, and what building it needs."""
 
     name: str
     obj: T
     description: str
+    needs_profile: bool = False
+    """Whether it plans with a performance profile (``kfac.profile``, or a calibration at start)."""
 
 
 class Registry(Generic[T]):
@@ -36,16 +49,16 @@ class Registry(Generic[T]):
         self.key = key
         self._entries: dict[str, Entry[T]] = {}
 
-    def register(self, name: str, description: str) -> Callable[[T], T]:
+    def register(self, name: str, description: str, needs_profile: bool = False) -> Callable[[T], T]:
         """Decorator form of :meth:`add`."""
 
         def deco(obj: T) -> T:
-            self.add(name, obj, description)
+            self.add(name, obj, description, needs_profile)
             return obj
 
         return deco
 
-    def add(self, name: str, obj: T, description: str) -> None:
+    def add(self, name: str, obj: T, description: str, needs_profile: bool = False) -> None:
         """Register ``obj`` under ``name``.
 
         Raises:
@@ -53,7 +66,12 @@ class Registry(Generic[T]):
         """
         if name in self._entries:
             raise ValueError(f"{self.kind} {name!r} is registered twice")
-        self._entries[name] = Entry(name, obj, description)
+        self._entries[name] = Entry(name, obj, description, needs_profile)
+
+    def entry(self, name: str) -> Entry[T]:
+        """Return the entry of ``name`` (its object and metadata); raises as :meth:`get` does."""
+        self.get(name)
+        return self._entries[name if name in self._entries else str(self.prefix_of(name))]
 
     def get(self, name: str) -> T:
         """Return the object registered under ``name`` (or the prefix entry that covers it).
@@ -90,18 +108,18 @@ class Registry(Generic[T]):
         return iter(self._entries.values())
 
 
-# All registry instances live here; the modules named in ``load_all`` fill them at import.
-MODELS: Registry[Callable[..., Any]] = Registry("model", "model.name")
-DATASETS: Registry[Callable[..., Any]] = Registry("dataset", "data.name")
+# Every registry instance; the plugin modules fill them when kfacflow.build imports them.
+MODELS: Registry[Callable[..., nn.Module]] = Registry("model", "model.name")
+DATASETS: Registry[Callable[..., tuple[Dataset[Any], Dataset[Any], Any]]] = Registry("dataset", "data.name")
 OPTIMIZERS: Registry[Callable[..., Any]] = Registry("optimizer", "optim.name")
-SCHEDULES: Registry[Callable[..., Any]] = Registry("schedule", "schedule.name")
-BACKENDS: Registry[Callable[..., Any]] = Registry("backend", "dist.backend")
-VARIANTS: Registry[Any] = Registry("variant", "kfac.variant")
-FACTORS: Registry[Callable[..., Any]] = Registry("factor", "kfac.factor")
-COMMUNICATORS: Registry[Callable[..., Any]] = Registry("fusion", "kfac.fusion")
-PLACEMENTS: Registry[Callable[..., Any]] = Registry("placement", "kfac.placement")
-INVERSES: Registry[Callable[..., Any]] = Registry("inverse", "kfac.inverse")
-PRECONDITIONERS: Registry[Callable[..., Any]] = Registry("precondition", "kfac.precondition")
+SCHEDULES: Registry[Callable[..., Callable[[int], float]]] = Registry("schedule", "schedule.name")
+BACKENDS: Registry[Callable[..., Backend]] = Registry("backend", "dist.backend")
+VARIANTS: Registry[Variant] = Registry("variant", "kfac.variant")
+FACTORS: Registry[Callable[[], FactorStage]] = Registry("factor", "kfac.factor")
+COMMUNICATORS: Registry[FusionFactory] = Registry("fusion", "kfac.fusion")
+PLACEMENTS: Registry[Placement] = Registry("placement", "kfac.placement")
+INVERSES: Registry[InverseMethod] = Registry("inverse", "kfac.inverse")
+PRECONDITIONERS: Registry[PreconditionFactory] = Registry("precondition", "kfac.precondition")
 
 ALL: dict[str, Registry[Any]] = {
     r.kind: r
@@ -119,12 +137,3 @@ ALL: dict[str, Registry[Any]] = {
         PRECONDITIONERS,
     )
 }
-
-
-def load_all() -> None:
-    """Import every module that registers entries, so the registries are complete."""
-    import kfacflow.data
-    import kfacflow.dist
-    import kfacflow.kfac
-    import kfacflow.models
-    import kfacflow.optim  # noqa: F401

@@ -16,8 +16,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from kfacflow import rundir
-from kfacflow.errors import UserError
+from kfacflow import UserError, rundir
 from kfacflow.kfac.variants import resolve
 
 MUST_MATCH = ("model.name", "data.name", "data.num_classes", "data.channels", "data.batch_size", "train.accumulate")

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kfacflow.errors import StorageError, UserError
+from kfacflow import StorageError, UserError
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ Categories follow the paper (Fig. 9): ``FF&BP`` (forward and backward compute), 
 Communication is the time the step *waits* for it (launch overhead plus blocking waits), not
 the time the transfer takes: an all-reduce hidden behind computation costs nothing here.
 ``GradComm`` is the tail of DDP's bucketed all-reduce: from the last bucket's launch to the end
-of ``backward()``, where DDP waits for all buckets.
+of ``backward()``, where DDP waits for all buckets (:meth:`StepTimer.end_step` attributes it).
 
 On CUDA, span boundaries synchronize the device so that the times are real; that serializes
 kernels with communication a little, which is why the timeline of one step is the place to see
@@ -42,6 +42,8 @@ class StepTimer:
         self.events: list[dict[str, Any]] = []
         self.tracing = False
         self.origin = time.perf_counter()
+        self._compute = 0.0
+        self._last_pass = (0.0, 0.0)
 
     def now(self) -> float:
         """Return the current time in seconds (after the device finished its queued work)."""
@@ -54,7 +56,21 @@ class StepTimer:
         self.parts = defaultdict(float)
         self.tracing = trace
         self.events = []
+        self._compute, self._last_pass = 0.0, (0.0, 0.0)
         self.origin = self.now()
+
+    @contextmanager
+    def compute(self, name: str) -> Iterator[None]:
+        """Time a forward or backward pass: it counts as FF&BP less the factor work its hooks did."""
+        t0 = self.now()
+        hooks = self.parts["FactorComp"] + self.parts["FactorComm"]
+        try:
+            yield
+        finally:
+            t1 = self.now()
+            self._compute += (t1 - t0) - (self.parts["FactorComp"] + self.parts["FactorComm"] - hooks)
+            self._last_pass = (t0, t1)
+            self.record(name, "compute", t0, t1)
 
     @contextmanager
     def span(self, category: str, name: str | None = None, lane: str = "compute") -> Iterator[None]:
@@ -85,8 +101,19 @@ class StepTimer:
         callback: Callable[[Any], None] = lambda _: self.record(name, lane, t0, time.perf_counter())  # noqa: E731
         handle.get_future().add_done_callback(callback)
 
-    def end_step(self, total: float) -> dict[str, float]:
-        """Close the step; return the breakdown with ``Other`` = ``total`` minus the named parts."""
+    def end_step(self, total: float | None = None, grad_launch: float = 0.0) -> dict[str, float]:
+        """Close the step; return the breakdown with ``Other`` = ``total`` minus the named parts.
+
+        Args:
+            total: The step's seconds; by default, since :meth:`begin_step`.
+            grad_launch: When the last gradient all-reduce was launched. If that was during the
+                last pass, the rest of that pass waited for it: GradComm, not FF&BP.
+        """
+        total = self.now() - self.origin if total is None else total
+        t0, t1 = self._last_pass
+        tail = t1 - grad_launch if grad_launch > t0 else 0.0
+        self.parts["GradComm"] += tail
+        self.parts["FF&BP"] += max(0.0, self._compute - tail)
         parts = {c: self.parts.get(c, 0.0) for c in CATEGORIES if c != "Other"}
         parts["Other"] = max(0.0, total - sum(parts.values()))
         parts["total"] = total

@@ -19,81 +19,43 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import Tensor
 
-from kfacflow import rundir
+from kfacflow import StorageError, TrainingError, UserError, build, rundir
+from kfacflow.build import Training
+from kfacflow.comm.base import Backend
 from kfacflow.consistency import all_finite, check_replicas
-from kfacflow.data import build_datasets, check_shard
-from kfacflow.dist.base import Backend
-from kfacflow.errors import StorageError, TrainingError, UserError
-from kfacflow.kfac.preconditioner import KFACPreconditioner
-from kfacflow.kfac.variants import resolve
-from kfacflow.loader import eval_loader, train_loader
-from kfacflow.models import build_model
-from kfacflow.optim import build_optimizer, build_scheduler
-from kfacflow.perf import Profile, calibrate
-from kfacflow.registry import INVERSES
-from kfacflow.reporting import Reporter
-from kfacflow.resume import check_meta, check_model, checkpoint_meta
-from kfacflow.seeding import rng_state, seed_all, set_rng_state
+from kfacflow.resume import checkpoint_meta
+from kfacflow.runlog import RunLog
+from kfacflow.seeding import rng_state, set_rng_state
 from kfacflow.timing import StepTimer
 
 logger = logging.getLogger(__name__)
 
-PROFILE = "profile.yaml"
 _HOOKS = Path(__file__).resolve().parent / "kfac"
 
 
 class Trainer:
-    """Builds model, data, optimizer and preconditioner from a recipe and trains.
+    """Trains what :func:`kfacflow.build.training` built from a recipe.
 
     Args:
         cfg: The validated recipe.
+        built: The model, K-FAC, optimizer, schedule and loaders.
         backend: The communication engine this worker joined.
         run_dir: The run folder (rank 0 writes into it).
+        timer: The step timer K-FAC reports to (the one ``built`` was made with).
     """
 
-    def __init__(self, cfg: DictConfig, backend: Backend, run_dir: Path) -> None:
-        self.cfg, self.backend, self.run_dir = cfg, backend, run_dir
+    def __init__(self, cfg: DictConfig, built: Training, backend: Backend, run_dir: Path, timer: StepTimer) -> None:
+        self.cfg, self.backend, self.run_dir, self.timer = cfg, backend, run_dir, timer
         self.rank, self.world = backend.rank, backend.world_size
-        self.dtype = torch.float64 if cfg.train.dtype == "float64" else torch.float32
-        self.device = backend.device
-        self.accumulate = cfg.train.accumulate
-        train_set, val_set, info = build_datasets(cfg.data)
-        check_shard(len(train_set), self.world, cfg.data.batch_size, self.accumulate)  # type: ignore[arg-type]
-        seed_all(cfg.train.seed)  # identical initial weights on every rank
-        model = build_model(cfg.model.name, info.num_classes, info.channels)
-        self.model = model.to(self.device, self.dtype)
-        self.stages = resolve(cfg.kfac)
-        self.image = f"{info.channels}x{info.image_size}x{info.image_size}"
-        # A resume is checked against what the checkpoint says before anything is calibrated or written.
-        self._resume_state = self._read_resume() if cfg.resume else None
-        self.timer = StepTimer(self.device)
-        self.report = Reporter(cfg, run_dir, self.rank)
-        self.kfac = None
-        if self.stages.preconditioned:
-            profile = self._profile() if self.stages.fusion == "optimal" or self.stages.placement == "lbp" else None
-            self.kfac = KFACPreconditioner(
-                self.model, cfg.kfac, self.stages, backend, profile, self.timer, accumulate=self.accumulate
-            )
-        self.net = backend.wrap_model(self.model)
-        optimizer = build_optimizer(self.model.parameters(), cfg.optim)
-        self.optimizer = backend.wrap_optimizer(optimizer, self.model, self.accumulate)
-        eval_batch = cfg.data.eval_batch_size or cfg.data.batch_size
-        self.loader, self.sampler = train_loader(
-            train_set, cfg.data.batch_size, self.rank, self.world, cfg.train.seed, cfg.data.workers
-        )
-        self.val_loader = eval_loader(val_set, eval_batch, self.rank, self.world, cfg.data.workers)
-        self.steps_per_epoch = len(self.loader) // self.accumulate
-        self.total = cfg.train.steps or cfg.train.epochs * self.steps_per_epoch
-        if cfg.train.timeline > self.total:
-            raise UserError(
-                f"train.timeline={cfg.train.timeline} is after the run's last step ({self.total}); "
-                f"pick a step from 1 to {self.total} (0 turns it off)."
-            )
-        self.epochs = math.ceil(self.total / self.steps_per_epoch)
-        self.scheduler = build_scheduler(self.optimizer, cfg.schedule, self.steps_per_epoch, self.total)
+        self.device, self.dtype, self.accumulate = backend.device, built.dtype, cfg.train.accumulate
+        self.model, self.net, self.kfac = built.model, built.net, built.kfac
+        self.optimizer, self.scheduler = built.optimizer, built.scheduler
+        self.loader, self.sampler, self.val_loader = built.loader, built.sampler, built.val_loader
+        self.stages, self.steps_per_epoch, self.total = built.stages, built.steps_per_epoch, built.total
+        self.image = f"{built.info.channels}x{built.info.image_size}x{built.info.image_size}"
+        self.report = RunLog(cfg, run_dir, self.rank)
         self.step = 0
         self.history: list[dict[str, float]] = []
-        seed_all(cfg.train.seed + 1 + self.rank)  # per-rank streams for dropout and augmentation
         self.stop_requested = 0
         """Signal number a handler set: stop after the current step (every rank agrees on when)."""
         self.stopped_by = 0
@@ -104,10 +66,15 @@ class Trainer:
         """Parameter tensors found to differ from rank 0's and restored (see kfacflow.consistency)."""
         self._saved = (-1, 0)
         """(step, evaluations) of the newest checkpoint this process wrote or resumed from."""
-        if self._resume_state is not None:
-            self.load_state_dict(self._resume_state)
-            self._resume_state = None
+        if built.resume_state is not None:
+            self.load_state_dict(built.resume_state)
             self._saved = (self.step, len(self.history))
+
+    @classmethod
+    def from_recipe(cls, cfg: DictConfig, backend: Backend, run_dir: Path) -> Trainer:
+        """Build everything ``cfg`` describes (a resume is checked first) and return its trainer."""
+        timer = StepTimer(backend.device)
+        return cls(cfg, build.training(cfg, backend, run_dir, timer), backend, run_dir, timer)
 
     @property
     def finished(self) -> bool:
@@ -119,36 +86,7 @@ class Trainer:
         """Whether the validation set was evaluated after the current step."""
         return any(record["step"] == self.step for record in self.history)
 
-    def _profile(self) -> Profile:
-        """Load the recipe's profile (or the resumed run's), else calibrate now and save it in the run folder."""
-        path = self.cfg.kfac.profile or (self.run_dir / PROFILE if (self.run_dir / PROFILE).is_file() else None)
-        if path is not None:
-            profile: Profile = self.backend.broadcast_object(Profile.load(path) if self.rank == 0 else None)
-            return profile
-        profile = calibrate(self.backend, INVERSES.get(self.stages.inverse), self.dtype)
-        if self.rank == 0:
-            profile.save(self.run_dir / PROFILE)
-            logger.info(
-                "calibrated: all-reduce %.2e + %.2e m s, broadcast %.2e + %.2e m s, inverse %s (error %.0f%%)",
-                profile.allreduce.alpha,
-                profile.allreduce.beta,
-                profile.broadcast.alpha,
-                profile.broadcast.beta,
-                profile.inverse.kind,
-                100 * profile.inverse.error,
-            )
-        return profile
-
     # --- checkpoints --------------------------------------------------------------------
-
-    def _read_resume(self) -> dict[str, Any]:
-        """Read the newest checkpoint of ``resume`` and check that it fits this run (every rank)."""
-        state = rundir.load_latest_checkpoint(Path(self.cfg.resume))
-        check_meta(state.get("meta"), self.cfg, self.world, self.stages.preconditioned)
-        if state["world_size"] != self.world:
-            check_meta({"world_size": state["world_size"]}, self.cfg, self.world, self.stages.preconditioned)
-        check_model(state["model"], self.model, self.cfg)
-        return state
 
     def state_dict(self) -> dict[str, Any]:
         """Return everything a resumed run needs (collective: every rank must call it)."""
@@ -165,7 +103,7 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a checkpoint written by :meth:`state_dict` (checked by :meth:`_read_resume`)."""
+        """Restore a checkpoint written by :meth:`state_dict` (checked by :func:`kfacflow.build.training`)."""
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -249,46 +187,40 @@ class Trainer:
             yield group
 
     def _train_step(self, batches: list[tuple[Tensor, Tensor]]) -> tuple[float, float, int]:
-        """Run one optimizer step over ``batches`` (micro-batches); return mean loss, correct and samples."""
-        timer = self.timer
-        tic = timer.now()
-        timer.begin_step(trace=self.step + 1 == self.cfg.train.timeline)
+        """One optimizer step over ``batches`` (micro-batches); return the mean loss, correct and samples."""
+        self.timer.begin_step(trace=self.step + 1 == self.cfg.train.timeline)
         self.net.train()
         # BatchNorm statistics move in the forward pass: a skipped step puts them back.
         self._buffers = [b.detach().clone() for b in self.model.buffers()]
-        start = mid = end = timer.now()
         loss_sum, correct, samples = 0.0, 0.0, 0
         for i, (x, y) in enumerate(batches):
             x, y = x.to(self.device, self.dtype, non_blocking=True), y.to(self.device, non_blocking=True)
             # Gradients are averaged over ranks once, in the step's last backward pass.
             with self.backend.no_sync(self.net) if i < len(batches) - 1 else nullcontext():
-                t0 = timer.now()
-                out = self._forward(x)
-                if self.kfac:
-                    self.kfac.end_forward()
+                with self.timer.compute("forward"):
+                    out = self._forward(x)
                 loss = F.cross_entropy(out, y)
-                mid = timer.now()
-                (loss if len(batches) == 1 else loss / len(batches)).backward()
-                end = timer.now()
-            timer.record("forward", "compute", t0, mid)
-            timer.record("backward", "compute", mid, end)
+                with self.timer.compute("backward"):
+                    (loss if len(batches) == 1 else loss / len(batches)).backward()
             loss_sum += float(loss.detach()) * y.shape[0]
             correct += float((out.detach().argmax(1) == y).sum())
             samples += y.shape[0]
-        with timer.span("GradComm"):
+        with self.timer.span("GradComm"):
             self.backend.finish_gradients(self.optimizer)
-        grad_comm = end - self.backend.last_grad_launch if self.backend.last_grad_launch > mid else 0.0
-        timer.add("GradComm", grad_comm)
-        hooks = timer.parts["FactorComp"] + timer.parts["FactorComm"]  # factor work done inside forward/backward
-        timer.add("FF&BP", max(0.0, end - start - hooks - grad_comm))
-        value = loss_sum / samples
-        if self._agree_to_skip(value, self._precondition()):
+        value, lr = loss_sum / samples, self.optimizer.param_groups[0]["lr"]
+        # Averaged gradients are the same on every rank: every rank makes the same choice here.
+        usable = self._gradients_finite() and math.isfinite(lr)
+        if self.kfac and usable:
+            self.kfac.step(lr)
+        elif self.kfac:
+            self.kfac.skip_step()  # its collectives still run: every rank drops this step's factors
+        if self._agree_to_skip(value, usable and self._gradients_finite()):
             return value, 0.0, samples
         self.backend.optimizer_step(self.optimizer)
         self._next_step()
-        parts = timer.end_step(timer.now() - tic)
+        parts = self.timer.end_step(grad_launch=self.backend.last_grad_launch)
         self.report.step_timed(parts)
-        if timer.tracing:
+        if self.timer.tracing:
             self._write_timeline(parts)
         return value, correct, samples
 
@@ -309,22 +241,8 @@ class Trainer:
                 "made for this input size (e.g. resnet20 for 32 px)."
             ) from None
 
-    def _precondition(self) -> bool:
-        """Precondition the averaged gradients; return whether what would be applied is finite.
-
-        The averaged gradients are the same on every rank, so every rank makes the same choice
-        between the K-FAC step and dropping its factors.
-        """
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        lr = self.optimizer.param_groups[0]["lr"]
-        if not all_finite(grads) or not math.isfinite(lr):
-            if self.kfac:
-                self.kfac.skip_step()
-            return False
-        if self.kfac:
-            self.kfac.step(lr)
-            return all_finite(grads)
-        return True
+    def _gradients_finite(self) -> bool:
+        return all_finite([p.grad for p in self.model.parameters() if p.grad is not None])
 
     def _next_step(self) -> None:
         """Clear the gradients and advance the schedule and the step count (a skipped step too)."""

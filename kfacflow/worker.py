@@ -16,11 +16,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from kfacflow import registry, rundir
+from kfacflow import UserError, build, rundir
 from kfacflow.config import RunConfig, to_yaml
-from kfacflow.dist.base import Backend
-from kfacflow.errors import UserError
 from kfacflow.launch import RANK_VARS, command_line, continue_command, note_failure
+from kfacflow.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -123,15 +122,12 @@ def stop_on_signals(trainer: Any) -> Iterator[None]:
 def _run(config_yaml: str, argv: list[str], announce: bool, rank: int) -> str | None:
     cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.create(config_yaml))
     assert isinstance(cfg, DictConfig)
-    registry.load_all()
     local = int(next((os.environ[v] for v in LOCAL_SIZE_VARS if v in os.environ), 1))
     env_threads = int(os.environ.get("OMP_NUM_THREADS", 0) or 0)  # torchrun and cluster tools set it
     torch.set_num_threads(cfg.launch.threads or env_threads or max(1, (os.cpu_count() or 1) // local))
     command = command_line(argv)
-    backend: Backend = registry.BACKENDS.get(cfg.dist.backend)(cfg.dist)
+    backend = build.backend(cfg.dist)
     try:
-        from kfacflow.trainer import Trainer
-
         saved = cfg.copy()
         saved.resume = None
         run_dir = None
@@ -140,7 +136,7 @@ def _run(config_yaml: str, argv: list[str], announce: bool, rank: int) -> str | 
             if not cfg.resume:
                 rundir.write_metadata(run_dir, to_yaml(saved), command)
         run_dir = Path(backend.broadcast_object(str(run_dir) if run_dir else None))
-        trainer = Trainer(cfg, backend, run_dir)  # a resume is checked here, before its folder is touched
+        trainer = Trainer.from_recipe(cfg, backend, run_dir)  # checks a resume before its folder is touched
         if trainer.finished and trainer.evaluated:
             return _already_finished(trainer, run_dir, argv, announce)
         if cfg.resume and backend.rank == 0:

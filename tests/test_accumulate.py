@@ -15,8 +15,8 @@ STEPS = 4
 
 def _train(rank: int, world: int, out: str, runs: dict[str, list[str]]) -> dict[str, Any]:
     """Train each run of ``runs`` (name -> overrides) for a few float64 steps; return its end state."""
+    from kfacflow.comm.torch_dist import TorchBackend
     from kfacflow.config import load
-    from kfacflow.dist.torch import TorchBackend
     from kfacflow.trainer import Trainer
 
     results = {}
@@ -38,7 +38,7 @@ def _train(rank: int, world: int, out: str, runs: dict[str, list[str]]) -> dict[
             backend = backend or TorchBackend(cfg.dist)  # one process group for every run
             run_dir = Path(out) / name
             run_dir.mkdir(parents=True, exist_ok=True)
-            trainer = Trainer(cfg, backend, run_dir)
+            trainer = Trainer.from_recipe(cfg, backend, run_dir)
             summary = trainer.fit()
             assert trainer.kfac is not None
             results[name] = {

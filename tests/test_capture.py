@@ -11,12 +11,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-import kfacflow.kfac  # noqa: F401  (fills the registries)
+from kfacflow import UserError, build
+from kfacflow.comm.torch_dist import TorchBackend
 from kfacflow.config import DistConfig, KFACConfig
-from kfacflow.dist.torch import TorchBackend
-from kfacflow.errors import UserError
 from kfacflow.kfac.preconditioner import KFACPreconditioner
-from kfacflow.kfac.variants import resolve
 
 DT = torch.float64
 
@@ -45,7 +43,7 @@ class Twice(nn.Module):
 
 def _pre(backend: TorchBackend, model: nn.Module, **kw: Any) -> KFACPreconditioner:
     cfg = KFACConfig(factor_decay=0.0, kl_clip=0.0, damping=0.01, **kw)
-    return KFACPreconditioner(model, cfg, resolve(cfg), backend)
+    return build.preconditioner(model, cfg, backend)
 
 
 def _step(model: nn.Module, pre: KFACPreconditioner, x: Tensor, y: Tensor) -> None:

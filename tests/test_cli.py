@@ -7,6 +7,7 @@ import json
 import logging
 import subprocess
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,9 +15,10 @@ import torch
 import yaml
 from helpers import last_line, run_cli
 
+from kfacflow import UserError
+from kfacflow.build import check_out_dir
 from kfacflow.cli import main
-from kfacflow.config import KFACConfig, RunConfig, check_out_dir, load
-from kfacflow.errors import UserError
+from kfacflow.config import KFACConfig, RunConfig, load
 from kfacflow.kfac.variants import resolve
 
 QUICK = "recipes/quickstart.yaml"
@@ -25,7 +27,7 @@ SAFE = ["launch.nproc=1", "train.steps=1", "train.progress=false"]
 
 
 @pytest.fixture(autouse=True)
-def _restore_process_state():
+def _restore_process_state() -> Iterator[None]:
     """In-process runs reconfigure logging and torch threads; put them back after each test."""
     threads = torch.get_num_threads()
     root = logging.getLogger()

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from kfacflow import UserError
 from kfacflow.config import DataConfig
 from kfacflow.data import DataInfo, build_datasets, check_data
-from kfacflow.errors import UserError
 from kfacflow.registry import DATASETS
 
 
@@ -33,6 +33,7 @@ def test_unknown_dataset() -> None:
 
 def test_digits_split_and_stats() -> None:
     train, val, info = build_datasets(DataConfig(name="digits"))
+    assert isinstance(train, Sized) and isinstance(val, Sized)
     assert info == DataInfo(num_classes=10, channels=1, image_size=8)
     assert len(train) + len(val) == 1797 and len(train) == 1437
     x, y = train[0]
@@ -61,6 +62,7 @@ def test_digits_resize() -> None:
 def test_synthetic_deterministic() -> None:
     cfg = DataConfig(name="synthetic", image_size=32, channels=2, num_classes=5, train_size=10, val_size=4)
     train, val, info = build_datasets(cfg)
+    assert isinstance(train, Sized) and isinstance(val, Sized)
     assert info == DataInfo(num_classes=5, channels=2, image_size=32)
     assert len(train) == 10 and len(val) == 4
     x1, y1 = train[3]
@@ -93,6 +95,7 @@ def _fake_cifar(folder: Path, rows: int = 4) -> None:
 def test_cifar10_loads(tmp_path: Path, nested: bool) -> None:
     _fake_cifar(tmp_path / "cifar-10-batches-py" if nested else tmp_path)
     train, val, info = build_datasets(DataConfig(name="cifar10", root=str(tmp_path)))
+    assert isinstance(train, Sized) and isinstance(val, Sized)
     assert info == DataInfo(num_classes=10, channels=3, image_size=32)
     assert len(train) == 20 and len(val) == 4
     x, y = train[0]
@@ -159,6 +162,7 @@ def _fake_folder(root: Path, splits: tuple[str, ...] = ("train", "val")) -> None
 def test_imagefolder_loads(tmp_path: Path, augment: bool) -> None:
     _fake_folder(tmp_path)
     train, val, info = build_datasets(DataConfig(name="imagefolder", root=str(tmp_path), image_size=8, augment=augment))
+    assert isinstance(train, Sized) and isinstance(val, Sized)
     assert info == DataInfo(num_classes=2, channels=3, image_size=8)
     assert len(train) == 4 and len(val) == 4
     x, y = train[0]
@@ -196,7 +200,7 @@ def test_user_error_from_a_loader_worker_keeps_its_line() -> None:
     text = (
         "Caught UserError in DataLoader worker process 3.\nOriginal Traceback (most recent call last):\n"
         '  File "x.py", line 1, in f\n    raise UserError("data.root=\'r\': bad")\n'
-        "kfacflow.errors.UserError: data.root='r': bad: really\n"
+        "kfacflow.UserError: data.root='r': bad: really\n"
     )
     assert str(UserError(text)) == "data.root='r': bad: really"
     assert str(UserError("Caught my eye")) == "Caught my eye"

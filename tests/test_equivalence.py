@@ -7,6 +7,7 @@ real 2-process gloo group with the preconditioner driven by hand (different data
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -18,11 +19,10 @@ import torch.nn.functional as F
 from helpers import last_line, run_cli, run_in_gloo
 from torch import nn
 
+from kfacflow import build
+from kfacflow.comm.torch_dist import TorchBackend
 from kfacflow.config import DistConfig, KFACConfig
-from kfacflow.dist.torch import TorchBackend
 from kfacflow.kfac.inverse import Inverse
-from kfacflow.kfac.preconditioner import KFACPreconditioner
-from kfacflow.kfac.variants import resolve
 from kfacflow.models import build_model
 
 RTOL, ATOL = 1e-8, 1e-12
@@ -75,16 +75,21 @@ def _final_checkpoint(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     return state
 
 
+def _prefixed(text: str) -> Callable[[str], str]:
+    """An ``assert_close`` message that puts ``text`` before torch's own."""
+    return lambda m: f"{text}: {m}"
+
+
 def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> None:
     assert a.keys() == b.keys(), what
     for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=RTOL, atol=ATOL, msg=lambda m, k=key: f"{what} {k}: {m}")
+        torch.testing.assert_close(a[key], b[key], rtol=RTOL, atol=ATOL, msg=_prefixed(f"{what} {key}"))
 
 
 def _dense_inverses(kfac_state: dict[str, Any]) -> dict[str, torch.Tensor]:
     # Eigenvectors of (nearly) repeated eigenvalues, e.g. the null space of a low-rank factor,
     # are not unique: compare the inverse itself, which is.
-    return {k: Inverse(kind, tuple(ts)).dense() for k, (kind, ts) in kfac_state["inverses"].items()}
+    return {k: Inverse.restore(kind, ts).dense() for k, (kind, ts) in kfac_state["inverses"].items()}
 
 
 def _initial_params() -> dict[str, torch.Tensor]:
@@ -184,7 +189,7 @@ def _train_tiny(backend: TorchBackend, data: Any) -> dict[str, Any]:
     model = _tiny()
     net = backend.wrap_model(model)
     cfg = KFACConfig()
-    pre = KFACPreconditioner(model, cfg, resolve(cfg), backend)
+    pre = build.preconditioner(model, cfg, backend)
     opt = torch.optim.SGD(model.parameters(), lr=GLOO_LR)
     out: dict[str, Any] = {}
     for step in range(GLOO_STEPS):

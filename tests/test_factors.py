@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kfacflow.errors import UserError
-from kfacflow.kfac.factors import ExpandFactors, ReduceFactors, pack, packed_size, unpack
+from kfacflow import UserError
+from kfacflow.kfac.factors import ExpandFactors, ReduceFactors
 from kfacflow.kfac.layers import KFACLayer, find_layers
+from kfacflow.kfac.packing import pack, packed_size, unpack
 
 DT = torch.float64
 
@@ -49,7 +50,7 @@ def hand_conv_patches(conv: nn.Conv2d, x: Tensor) -> tuple[list[list[list[float]
         ph, pw = dh * (kh - 1) // 2, dw * (kw - 1) // 2
         h_out, w_out = h, w
     else:
-        ph, pw = conv.padding
+        ph, pw = cast(tuple[int, int], conv.padding)
         h_out = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1
         w_out = (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
     return patches_at(conv, x, (ph, pw), (h_out, w_out)), h_out, w_out
@@ -213,7 +214,7 @@ def test_conv_patches_match_weight_layout(cfg: dict[str, Any], bias: bool) -> No
             for j in range(w_out):
                 want = w_mat @ torch.tensor(patches[n][i * w_out + j], dtype=DT)
                 if bias:
-                    want = want + conv.bias
+                    want = want + cast(Tensor, conv.bias)
                 close(out[n, :, i, j], want)
 
 

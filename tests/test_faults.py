@@ -10,18 +10,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
 from helpers import ROOT, last_line, run_cli, run_in_gloo
 
+from kfacflow import TrainingError, build
+from kfacflow.comm.torch_dist import TorchBackend
 from kfacflow.config import DistConfig, KFACConfig, load
-from kfacflow.dist.torch import TorchBackend
-from kfacflow.errors import TrainingError
-from kfacflow.kfac.factors import pack
-from kfacflow.kfac.preconditioner import KFACPreconditioner
-from kfacflow.kfac.variants import resolve
+from kfacflow.kfac.packing import pack
 
 QUICK = str(ROOT / "recipes" / "quickstart.yaml")
 
@@ -45,7 +43,7 @@ def _train_with_nan(rank: int, world: int, out: str, bad_steps: list[int], max_n
     backend = TorchBackend(cfg.dist)
     run_dir = Path(out) / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(cfg, backend, run_dir)
+    trainer = Trainer.from_recipe(cfg, backend, run_dir)
 
     def poison(module: torch.nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor | None:
         return output * float("nan") if rank == 1 and trainer.step in bad_steps else None
@@ -92,7 +90,7 @@ def _nan_input_with_batchnorm(rank: int, world: int, out: str) -> dict[str, Any]
     backend = TorchBackend(cfg.dist)
     run_dir = Path(out) / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(cfg, backend, run_dir)
+    trainer = Trainer.from_recipe(cfg, backend, run_dir)
 
     def poison(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
         return (inputs[0] * float("nan"),) if module.training and trainer.step == 1 else None
@@ -117,7 +115,7 @@ def test_nonfinite_factor_never_enters_the_running_average(monkeypatch: pytest.M
         monkeypatch.delenv(var, raising=False)
     model = torch.nn.Sequential(torch.nn.Linear(3, 2)).double()
     cfg = KFACConfig(factor_decay=0.5)
-    pre = KFACPreconditioner(model, cfg, resolve(cfg), TorchBackend(DistConfig(device="cpu")))
+    pre = build.preconditioner(model, cfg, TorchBackend(DistConfig(device="cpu")))
     good = torch.eye(4, dtype=torch.float64)
     bad = torch.full((4, 4), float("nan"), dtype=torch.float64)
     pre._update_factors({"0/A": pack(bad), "0/G": pack(torch.eye(2, dtype=torch.float64))})
@@ -413,9 +411,9 @@ def _drift(rank: int, world: int, out: str) -> dict[str, Any]:
     run_dir = Path(out) / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        trainer = Trainer(cfg, backend, run_dir)
+        trainer = Trainer.from_recipe(cfg, backend, run_dir)
         trainer.fit()
-        weight = trainer.model.fc1.weight
+        weight = cast(torch.nn.Linear, trainer.model.fc1).weight
         momentum = trainer.optimizer.state[weight]["momentum_buffer"]
         if rank == 1:
             with torch.no_grad():

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kfacflow.comm.torch_dist import TorchBackend
 from kfacflow.config import DistConfig
-from kfacflow.dist.torch import TorchBackend
-from kfacflow.kfac.fusion import CommOptions
+from kfacflow.kfac.fusion import Communicator
 from kfacflow.kfac.fusion_plan import plan_groups
+from kfacflow.kfac.stages import FusionOptions
 from kfacflow.perf import LinearModel
 from kfacflow.registry import COMMUNICATORS
 
@@ -52,7 +53,7 @@ def test_policies_launch_when_expected(
         monkeypatch.delenv(var, raising=False)
     backend = TorchBackend(DistConfig(device="cpu"))
     # threshold 2 KiB: 3 A factors of 100 float64 (2.4 KiB total) fill one buffer exactly once.
-    comm = COMMUNICATORS.get(policy)(backend, CommOptions(threshold_bytes=2 * 1024))
+    comm = Communicator(backend, COMMUNICATORS.get(policy)(FusionOptions(threshold_bytes=2 * 1024)))
     for i in range(3):
         comm.push(f"l{i}/A", torch.full((100,), float(i), dtype=torch.float64))
     comm.end_forward()

@@ -3,8 +3,8 @@ from __future__ import annotations
 import torch
 from helpers import run_in_gloo
 
+from kfacflow.comm.torch_dist import TorchBackend
 from kfacflow.config import DistConfig
-from kfacflow.dist.torch import TorchBackend
 
 
 def _sum_ranks(rank: int, world: int) -> float:

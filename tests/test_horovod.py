@@ -115,8 +115,8 @@ def test_sigterm_under_horovodrun_prints_the_horovodrun_command_that_resumes(tmp
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.2)
     (run_dir,) = (tmp_path / "quickstart").iterdir()
-    workers = [_worker_pid(p, f"out_dir={tmp_path}") for p in Path("/proc").iterdir() if p.name.isdigit()]
-    workers = [pid for pid in workers if pid is not None]
+    found = [_worker_pid(p, f"out_dir={tmp_path}") for p in Path("/proc").iterdir() if p.name.isdigit()]
+    workers = [pid for pid in found if pid is not None]
     assert len(workers) == 2, workers
     os.kill(workers[-1], signal.SIGTERM)
     out, err = proc.communicate(timeout=120)

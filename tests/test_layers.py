@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import timm
@@ -16,7 +16,7 @@ from timm.layers import Linear as TimmLinear
 from timm.layers.conv2d_same import Conv2dSameExport
 from torch import Tensor, nn
 
-from kfacflow.errors import UserError
+from kfacflow import UserError
 from kfacflow.kfac.factors import ExpandFactors, ReduceFactors
 from kfacflow.kfac.layers import OWN_FORWARD, KFACLayer, find_layers
 
@@ -257,14 +257,15 @@ def test_existing_skip_reasons_are_logged(caplog: pytest.LogCaptureFixture) -> N
 @pytest.mark.parametrize("kind", ["linear", "conv", "same"])
 def test_frozen_bias_is_left_out_of_the_factors(kind: str) -> None:
     torch.manual_seed(2)
-    module: nn.Module
+    module: nn.Linear | nn.Conv2d
     if kind == "linear":
         module, x = nn.Linear(3, 2).to(DT), torch.randn(4, 3, dtype=DT)
     elif kind == "conv":
         module, x = nn.Conv2d(2, 3, 2, padding=1).to(DT), torch.randn(2, 2, 3, 4, dtype=DT)
     else:
         module, x = Conv2dSame(2, 3, 3, stride=2).to(DT), torch.randn(2, 2, 4, 5, dtype=DT)
-    module.bias.requires_grad_(False)
+    bias = cast(Tensor, module.bias)  # every case is built with a bias
+    bias.requires_grad_(False)
     (layer,) = find_layers(nn.Sequential(module), [])
     weight = module.weight
     assert not layer.has_bias and layer.a_dim == weight[0].numel() and layer.g_dim == weight.shape[0]
@@ -273,18 +274,18 @@ def test_frozen_bias_is_left_out_of_the_factors(kind: str) -> None:
         rows = [x[n].tolist() for n in range(x.shape[0])]
     else:
         hand = hand_conv_patches if kind == "conv" else hand_same_patches
-        rows = [p for per_n in hand(module, x)[0] for p in per_n]  # no ones column
+        rows = [p for per_n in hand(cast(nn.Conv2d, module), x)[0] for p in per_n]  # no ones column
     close(ExpandFactors().a_factor(module, layer.layer_input(x)), outer_mean(rows, len(rows)))
 
-    bias_before = module.bias.detach().clone()
+    bias_before = bias.detach().clone()
     module(x).pow(2).sum().backward()
-    assert module.bias.grad is None
+    assert bias.grad is None
     mat = layer.grad_matrix()
-    assert mat is not None and torch.equal(mat, weight.grad.reshape(weight.shape[0], -1))
+    assert mat is not None and torch.equal(mat, cast(Tensor, weight.grad).reshape(weight.shape[0], -1))
     new = torch.randn(layer.g_dim, layer.a_dim, dtype=DT)
     layer.set_grad(new)
-    assert torch.equal(weight.grad, new.reshape(weight.shape)) and module.bias.grad is None
-    assert torch.equal(module.bias, bias_before)
+    assert torch.equal(cast(Tensor, weight.grad), new.reshape(weight.shape)) and bias.grad is None
+    assert torch.equal(bias, bias_before)
 
 
 def test_frozen_weight_stays_skipped() -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from kfacflow.errors import UserError
+from kfacflow import UserError
 from kfacflow.models import build_model, check_name
 from kfacflow.registry import MODELS
 

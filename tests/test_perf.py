@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from helpers import run_tool
 
-from kfacflow.errors import UserError
+from kfacflow import UserError
 from kfacflow.perf import InverseModel, LinearModel, Profile, fit, fit_inverse, fit_linear
 
 
@@ -28,7 +28,7 @@ def test_linear_fit_ignores_an_outlier_and_keeps_its_bounds() -> None:
     # Measured on the emulated 1 Gbit/s link: a 131 KB message fits the shaper's burst and passes 4x
     # faster than the rest. Least squares on the relative error gave a negative intercept, which
     # clipped to zero left half the true slope.
-    sizes = [8256, 32896, 131328, 524800, 1180416, 2098176]
+    sizes: list[float] = [8256, 32896, 131328, 524800, 1180416, 2098176]
     seconds = [2.72e-4, 2.52e-4, 4.37e-3, 1.73e-2, 3.94e-2, 6.99e-2]
     model = fit_linear(sizes, seconds)
     assert model.alpha >= 0.0
@@ -41,7 +41,7 @@ def test_linear_fit_ignores_an_outlier_and_keeps_its_bounds() -> None:
 
 
 def test_inverse_fit_keeps_the_better_model() -> None:
-    dims = [64, 128, 256, 512, 1024, 2048]
+    dims: list[float] = [64, 128, 256, 512, 1024, 2048]
     cubic = [1e-4 + 2e-11 * d**3 for d in dims]
     best = fit_inverse(dims, cubic)
     assert best.kind == "cubic"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kfacflow.errors import UserError
+from kfacflow import UserError
 from kfacflow.kfac.placement import EVERY_RANK, lbp, local, round_robin
 from kfacflow.perf import InverseModel, LinearModel, Profile
 

@@ -4,21 +4,20 @@ from __future__ import annotations
 
 import io
 import math
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-import kfacflow.kfac  # noqa: F401  (fills the registries)
+from kfacflow import build
+from kfacflow.comm.torch_dist import TorchBackend
 from kfacflow.config import DistConfig, KFACConfig
-from kfacflow.dist.torch import TorchBackend
-from kfacflow.kfac.factors import pack
 from kfacflow.kfac.inverse import Inverse, cholesky_inverse, eigen_inverse
+from kfacflow.kfac.packing import pack
 from kfacflow.kfac.precondition import KFACPrecondition, kl_clip_scale, precondition
 from kfacflow.kfac.preconditioner import KFACPreconditioner
-from kfacflow.kfac.variants import resolve
 from kfacflow.registry import INVERSES
 
 DT = torch.float64
@@ -188,7 +187,7 @@ def batch(seed: int, n: int = 8) -> tuple[Tensor, Tensor]:
 class Spy:
     """Captures every Linear's input and output gradient (registered after the preconditioner)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Sequential) -> None:
         self.data: dict[int, dict[str, Tensor]] = {}
         for i, m in enumerate(model):
             if isinstance(m, nn.Linear):
@@ -218,7 +217,7 @@ def hand_factors(x: Tensor, go: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def one_step(
-    model: nn.Module, pre: KFACPreconditioner, spy: Spy, seed: int, lr: float = 0.1
+    model: nn.Sequential, pre: KFACPreconditioner, spy: Spy, seed: int, lr: float = 0.1
 ) -> tuple[dict[int, Tensor], dict[int, tuple[Tensor, Tensor]]]:
     """Forward, backward, pre.step; return raw grad matrices and hand factors per Linear index."""
     x, y = batch(seed)
@@ -229,8 +228,8 @@ def one_step(
     F.cross_entropy(out, y).backward()
     raw = {}
     for i in spy.data:
-        m = model[i]
-        raw[i] = torch.cat([m.weight.grad, m.bias.grad[:, None]], dim=1).clone()
+        m = cast(nn.Linear, model[i])
+        raw[i] = torch.cat([cast(Tensor, m.weight.grad), cast(Tensor, m.bias.grad)[:, None]], dim=1).clone()
     pre.step(lr=lr)
     facs = {i: hand_factors(rec["x"], rec["go"]) for i, rec in spy.data.items()}
     return raw, facs
@@ -243,7 +242,7 @@ def damped_inv(f: Tensor, damping: float) -> Tensor:
 def new_pre(backend: TorchBackend, **kw: Any) -> tuple[nn.Sequential, KFACPreconditioner, Spy]:
     cfg = KFACConfig(**kw)
     model = make_model()
-    pre = KFACPreconditioner(model, cfg, resolve(cfg), backend)
+    pre = build.preconditioner(model, cfg, backend)
     return model, pre, Spy(model)
 
 
@@ -259,7 +258,7 @@ def test_step_preconditions_by_hand(backend: TorchBackend, inverse: str) -> None
         torch.testing.assert_close(pre.factors[f"{name}/A"], a, rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(pre.factors[f"{name}/G"], g, rtol=1e-12, atol=1e-14)
         want = damped_inv(g, damping) @ raw[i] @ damped_inv(a, damping)
-        got = torch.cat([model[i].weight.grad, model[i].bias.grad[:, None]], dim=1)
+        got = torch.cat([cast(Tensor, model[i].weight.grad), cast(Tensor, model[i].bias.grad)[:, None]], dim=1)
         rel_close(got, want, 1e-9)
         assert not torch.allclose(got, raw[i])
 
@@ -273,7 +272,7 @@ def test_step_with_kl_clip(backend: TorchBackend) -> None:
     scale = min(1.0, math.sqrt(kl / (lr * lr * vg)))
     assert scale < 1.0
     for i in nat:
-        got = torch.cat([model[i].weight.grad, model[i].bias.grad[:, None]], dim=1)
+        got = torch.cat([cast(Tensor, model[i].weight.grad), cast(Tensor, model[i].bias.grad)[:, None]], dim=1)
         rel_close(got, nat[i] * scale, 1e-9)
 
 
@@ -291,7 +290,7 @@ def test_running_average(backend: TorchBackend) -> None:
         assert not torch.allclose(f1[i][0], f2[i][0])
         torch.testing.assert_close(pre.factors[f"{i}/A"], a, rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(pre.factors[f"{i}/G"], g, rtol=1e-12, atol=1e-14)
-        got = torch.cat([model[i].weight.grad, model[i].bias.grad[:, None]], dim=1)
+        got = torch.cat([cast(Tensor, model[i].weight.grad), cast(Tensor, model[i].bias.grad)[:, None]], dim=1)
         rel_close(got, damped_inv(g, damping) @ raw[i] @ damped_inv(a, damping), 1e-9)
 
 
@@ -306,7 +305,7 @@ def test_factor_update_freq(backend: TorchBackend) -> None:
     for k, v in pre.factors.items():
         assert torch.equal(v, after0[k]), k
     for i, (a, g) in f0.items():
-        got = torch.cat([model[i].weight.grad, model[i].bias.grad[:, None]], dim=1)
+        got = torch.cat([cast(Tensor, model[i].weight.grad), cast(Tensor, model[i].bias.grad)[:, None]], dim=1)
         rel_close(got, damped_inv(g, damping) @ raw1[i] @ damped_inv(a, damping), 1e-9)
     _, f2 = one_step(model, pre, spy, seed=2)  # step 2 updates again
     for i in f2:
@@ -327,7 +326,7 @@ def test_state_dict_roundtrip(backend: TorchBackend, inverse: str) -> None:
 
     cfg = KFACConfig(factor_decay=0.7, kl_clip=0.0, inverse=inverse)
     model2 = make_model()
-    pre2 = KFACPreconditioner(model2, cfg, resolve(cfg), backend)
+    pre2 = build.preconditioner(model2, cfg, backend)
     pre2.load_state_dict(state)
     assert pre2.steps == pre.steps == 2
     assert set(pre2.factors) == set(pre.factors) == {"0/A", "0/G", "2/A", "2/G"}

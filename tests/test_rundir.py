@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,11 @@ import torch
 from helpers import last_line, run_cli
 
 STEPS = 3
+
+
+def _prefixed(text: str) -> Callable[[str], str]:
+    """An ``assert_close`` message that puts ``text`` before torch's own."""
+    return lambda m: f"{text}: {m}"
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -103,7 +109,7 @@ def test_saved_config_reproduces_the_run(first: dict[str, Any], tmp_path: Path) 
     assert a.keys() == b.keys()
     for key in a:
         assert a[key].dtype == torch.float64
-        torch.testing.assert_close(a[key], b[key], rtol=1e-12, atol=0, msg=lambda m, k=key: f"{k}: {m}")
+        torch.testing.assert_close(a[key], b[key], rtol=1e-12, atol=0, msg=_prefixed(key))
     ja = json.loads((run_dir / "summary.json").read_text())
     jb = json.loads((again / "summary.json").read_text())
     assert (jb["steps"], jb["world_size"]) == (ja["steps"], ja["world_size"])

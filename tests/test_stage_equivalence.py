@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from helpers import run_in_gloo
 from torch import nn
 
+from kfacflow import build
+from kfacflow.comm.torch_dist import TorchBackend
 from kfacflow.config import DistConfig, KFACConfig
-from kfacflow.dist.torch import TorchBackend
 from kfacflow.kfac.placement import EVERY_RANK
-from kfacflow.kfac.preconditioner import KFACPreconditioner
 from kfacflow.kfac.variants import resolve
 from kfacflow.perf import InverseModel, LinearModel, Profile
 from kfacflow.registry import COMMUNICATORS, INVERSES, PLACEMENTS
@@ -59,7 +59,7 @@ def train(backend: TorchBackend, fusion: str, placement: str, inverse: str) -> d
     )
     model = make_model()
     net = backend.wrap_model(model)
-    pre = KFACPreconditioner(model, cfg, resolve(cfg), backend, PROFILE)
+    pre = build.preconditioner(model, cfg, backend, PROFILE)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     gen = torch.Generator().manual_seed(1)
     world, rank = backend.world_size, backend.rank

@@ -20,9 +20,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kfacflow.errors import UserError  # noqa: E402
-from kfacflow.kfac.factors import packed_size  # noqa: E402
+from kfacflow import UserError  # noqa: E402
 from kfacflow.kfac.layers import find_layers  # noqa: E402
+from kfacflow.kfac.packing import packed_size  # noqa: E402
 from kfacflow.models import build_model, check_name  # noqa: E402
 
 
@@ -31,7 +31,7 @@ def stats(name: str, num_classes: int = 1000, channels: int = 3) -> dict[str, An
     check_name(name)
     model = build_model(name, num_classes, channels)
     layers = find_layers(model, [])
-    rows = [
+    rows: list[dict[str, Any]] = [
         {"layer": layer.name, "type": type(layer.module).__name__, "A": layer.a_dim, "G": layer.g_dim}
         for layer in layers
     ]

@@ -23,9 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from kfacflow import registry  # noqa: E402
+from kfacflow import UserError, build, registry  # noqa: E402
 from kfacflow.config import DistConfig  # noqa: E402
-from kfacflow.errors import UserError  # noqa: E402
 from kfacflow.launch import self_launch, under_launcher  # noqa: E402
 from kfacflow.perf import Profile, calibrate  # noqa: E402
 
@@ -45,7 +44,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def worker(args: argparse.Namespace) -> str | None:
-    registry.load_all()
+    build.load_plugins()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     backend = registry.BACKENDS.get(args.backend)(DistConfig(backend=args.backend, device=args.device))
     try:
@@ -121,7 +120,7 @@ def plot(profile: Profile, folder: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     try:
-        registry.load_all()
+        build.load_plugins()
         registry.BACKENDS.get(args.backend)
         registry.INVERSES.get(args.inverse)
         if under_launcher() or args.nproc == 1:

@@ -33,15 +33,17 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kfacflow.errors import UserError  # noqa: E402
-from kfacflow.kfac.factors import packed_size  # noqa: E402
-from kfacflow.kfac.fusion_plan import plan_groups  # noqa: E402
-from kfacflow.kfac.placement import EVERY_RANK, lbp, local, round_robin, schedule  # noqa: E402
+from kfacflow import UserError, build, registry  # noqa: E402
+from kfacflow.config import KFACConfig  # noqa: E402
+from kfacflow.kfac.fusion import Ready, plan_launches  # noqa: E402
+from kfacflow.kfac.packing import packed_size  # noqa: E402
+from kfacflow.kfac.placement import EVERY_RANK, schedule  # noqa: E402
+from kfacflow.kfac.stages import FusionOptions  # noqa: E402
 from kfacflow.perf import InverseModel, LinearModel, Profile  # noqa: E402
 
-VARIANTS = {"d": ("after_backward", "local"), "mpd": ("after_backward", "round_robin"), "spd": ("optimal", "lbp")}
-PLACE = {"local": local, "round_robin": round_robin, "lbp": lbp}
 BUCKET_ELEMENTS = 25 * 2**20 // 4
+"""DDP's default gradient bucket (25 MiB of float32)."""
+THRESHOLD_MB = KFACConfig().fusion_threshold_mb
 PARTS = ("FF&BP", "GradComm", "FactorComp", "FactorComm", "InverseComp", "InverseComm", "Other")
 
 
@@ -71,37 +73,25 @@ class Link:
         return self.free
 
 
-def factor_groups(
-    policy: str, ready: list[float], sizes: list[int], end: float, prof: Profile
-) -> list[tuple[float, int]]:
-    """Return (launch time, elements) of the fused all-reduces of one pass (A or G) under ``policy``."""
-    if not ready:
-        return []
-    if policy == "naive":
-        return [(end, sum(sizes))]
-    if policy == "layerwise":
-        return list(zip(ready, sizes, strict=True))
-    if policy == "threshold":
-        out, acc = [], 0
-        for t, m in zip(ready, sizes, strict=True):
-            acc += m
-            if acc * 4 >= 64 * 2**20:
-                out.append((t, acc))
-                acc = 0
-        return out + ([(end, acc)] if acc else [])
-    groups = plan_groups([r - ready[0] for r in ready], sizes, prof.allreduce)
-    return [(ready[g[-1]], sum(sizes[i] for i in g)) for g in groups]
-
-
 def simulate(
-    layers: dict[str, Any], profile: Profile, workers: int, fusion: str, placement: str, use_measured: bool = True
+    layers: dict[str, Any],
+    profile: Profile,
+    workers: int,
+    fusion: str,
+    placement: str,
+    use_measured: bool = True,
+    threshold_mb: float = THRESHOLD_MB,
 ) -> dict[str, float]:
     """Return the six-part breakdown and total of one step (seconds).
 
-    Inverse times are the ones the traced step measured where it has them (``use_measured``),
-    otherwise the profile's inverse model.
+    The fusion policy and the placement are the registered ones the trainer runs. Inverse times
+    are the ones the traced step measured where it has them (``use_measured``), otherwise the
+    profile's inverse model.
     """
     prof = scaled(profile, workers)
+    options = FusionOptions(threshold_bytes=int(threshold_mb * 2**20), allreduce=prof.allreduce)
+    policy = registry.COMMUNICATORS.get(fusion)(options)
+    place = registry.PLACEMENTS.get(placement)
     rows = layers["layers"]
     measured = layers["breakdown"]
     hooks, ffbp = measured_compute(layers)
@@ -111,14 +101,14 @@ def simulate(
     f_scale = ffbp * share / (sum(r["t_forward"] for r in rows) or 1.0)
     b_scale = ffbp * (1 - share) / (sum(r["t_backward"] for r in rows) or 1.0)
     t = 0.0
-    ready_a, size_a = [], []
+    forward: list[Ready] = []
     for r in rows:
         t += r["t_factor_a"]
-        ready_a.append(t)
-        size_a.append(packed_size(r["a_dim"]))
+        forward.append(Ready(f"{r['name']}/A", t, packed_size(r["a_dim"])))
         t += r["t_forward"] * f_scale
     t_fwd = t
-    ready_g, size_g, grads, bucket = [], [], [], 0
+    backward: list[Ready] = []
+    grads, bucket = [], 0
     for r in reversed(rows):
         t += r["t_backward"] * b_scale
         bucket += r["params"]
@@ -126,16 +116,13 @@ def simulate(
             grads.append((t, bucket))
             bucket = 0
         t += r["t_factor_g"]
-        ready_g.append(t)
-        size_g.append(packed_size(r["g_dim"]))
+        backward.append(Ready(f"{r['name']}/G", t, packed_size(r["g_dim"])))
     t_bwd = t
     if bucket:
         grads.append((t_bwd, bucket))
-    if fusion == "after_backward":
-        ops = [(t_bwd, sum(size_a) + sum(size_g), "factor")]
-    else:
-        ops = [(s, m, "factor") for s, m in factor_groups(fusion, ready_a, size_a, t_fwd, prof)]
-        ops += [(s, m, "factor") for s, m in factor_groups(fusion, ready_g, size_g, t_bwd, prof)]
+    elements = {r.key: r.elements for r in (*forward, *backward)}
+    launches = plan_launches(policy, forward, t_fwd, backward, t_bwd)
+    ops = [(launch, sum(elements[k] for k in keys), "factor") for launch, keys in launches]
     ops += [(s, m, "grad") for s, m in grads] if workers > 1 else []
     link, done = Link(), {"factor": 0.0, "grad": 0.0}
     # DDP launches its buckets during backward, before K-FAC's hooks return: at a tie, gradients go first.
@@ -152,7 +139,7 @@ def simulate(
     sizes = [packed_size(d) for d in dims]
     pack = per_element(rows, sizes, "t_pack")
     unpack = per_element(rows, sizes, "t_unpack")
-    owners = PLACE[placement](dims, sizes, workers, prof)
+    owners = place(dims, sizes, workers, prof)
     comp, busy = [0.0] * workers, [0.0] * workers
     inv_link, sends = Link(), []
     for i in schedule(dims, owners, workers, prof):
@@ -287,7 +274,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--markdown", action="store_true", help="also print one markdown table row per P")
     p.add_argument("--json", default=None, help="write the results to this file")
+    p.add_argument("--fusion-threshold-mb", type=float, default=THRESHOLD_MB, help="the threshold fusion's buffer")
     args = p.parse_args(argv)
+    build.load_plugins()
+    try:
+        for v in args.variants.split(","):
+            stages_of(v)
+    except UserError as e:
+        raise SystemExit(f"error: --variants: {e}") from None
     layers = scale_compute(average([json.loads(Path(f).read_text()) for f in args.layers]), args.compute_scale)
     try:
         profile = Profile.load(args.profile)
@@ -308,8 +302,10 @@ def main(argv: list[str] | None = None) -> int:
     for workers in (int(w) for w in args.workers.split(",")):
         totals = {}
         for v in args.variants.split(","):
-            fusion, placement = VARIANTS[v] if v in VARIANTS else v.split(":")
-            parts = simulate(layers, profile, workers, fusion, placement, use_measured=args.inverse == "measured")
+            fusion, placement = stages_of(v)
+            parts = simulate(
+                layers, profile, workers, fusion, placement, args.inverse == "measured", args.fusion_threshold_mb
+            )
             results.append({"workers": workers, "variant": v, **parts})
             totals[v] = parts["total"]
             cols = " ".join(f"{parts[c]:>11.3f}" for c in PARTS)
@@ -348,6 +344,18 @@ def override(profile: Profile, change: str) -> None:
         setattr(model, param, float(value))
     except ValueError:
         raise SystemExit(f"error: --set {change!r}: {value!r} is not a number") from None
+
+
+def stages_of(variant: str) -> tuple[str, str]:
+    """Return (fusion, placement) of a registered variant or of a ``fusion:placement`` pair (checked)."""
+    if ":" in variant:
+        fusion, placement = variant.split(":", 1)
+    else:
+        preset = registry.VARIANTS.get(variant)
+        fusion, placement = preset.fusion, preset.placement
+    registry.COMMUNICATORS.get(fusion)
+    registry.PLACEMENTS.get(placement)
+    return fusion, placement
 
 
 RATIOS = (("spd", "d"), ("spd", "mpd"), ("mpd", "d"))

@@ -1,5 +1,4 @@
-"""Distributed K-FAC: the four stages (factor, communicate, invert, precondition) and their orchestrator."""
+"""Distributed K-FAC: the stages (factor, communicate, invert, precondition) and their orchestrator.
 
-from __future__ import annotations
-
-from kfacflow.kfac import factors, fusion, inverse, placement, precondition, variants  # noqa: F401
+The stage modules register their entries when :func:`kfacflow.build.load_plugins` imports them.
+"""

@@ -25,15 +25,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from kfacflow.errors import UserError
-from kfacflow.kfac.factors import pack
+from kfacflow import UserError
 from kfacflow.kfac.layers import KFACLayer
+from kfacflow.kfac.packing import pack
+from kfacflow.kfac.stages import FactorStage
 from kfacflow.timing import StepTimer
 
 logger = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ class Capture:
     def __init__(
         self,
         layers: list[KFACLayer],
-        factors: Any,
+        factors: FactorStage,
         push: Callable[[str, Tensor], None],
         timer: StepTimer,
         accumulate: int = 1,
@@ -122,6 +122,8 @@ class Capture:
         """Forward calls per pass of each layer kept, learnt on the first capturing step."""
         self.micro = 0
         """Forward passes finished in this step (``end_forward`` calls)."""
+        self._open = False
+        """Whether a forward pass has captured since the last ``end_forward``."""
         self.captures: dict[str, _LayerCapture] = {}
         self._a_order: list[str] = []
         self._g_order: list[str] = []
@@ -140,7 +142,7 @@ class Capture:
 
     # --- hooks ------------------------------------------------------------------------------------
 
-    def _a_hook(self, layer: KFACLayer) -> Any:
+    def _a_hook(self, layer: KFACLayer) -> Callable[[nn.Module, tuple[Tensor, ...]], None]:
         def hook(module: nn.Module, inputs: tuple[Tensor, ...]) -> None:
             if not self.capturing(module):
                 return
@@ -152,6 +154,7 @@ class Capture:
                     f"add {layer.name!r} to kfac.skip."
                 )
             x = inputs[0].detach()
+            self._open = True
             cap = self.captures.setdefault(layer.name, _LayerCapture())
             if cap.a_calls == 0:
                 cap.examples += x.shape[0]
@@ -177,7 +180,7 @@ class Capture:
 
         return hook
 
-    def _g_hook(self, layer: KFACLayer) -> Any:
+    def _g_hook(self, layer: KFACLayer) -> Callable[[nn.Module, tuple[Tensor, ...], Tensor], None]:
         def hook(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
             if not self.capturing(module) or not isinstance(output, Tensor) or not output.requires_grad:
                 return
@@ -220,7 +223,13 @@ class Capture:
     # --- step boundaries ------------------------------------------------------------------------------
 
     def end_forward(self) -> bool:
-        """Close a forward pass; return whether it was the step's last (A factors are all sent then)."""
+        """Close a forward pass; return whether it was the step's last (A factors are all sent then).
+
+        A second call for the same pass (the model's hook, then the caller) does nothing.
+        """
+        if not self._open:
+            return False
+        self._open = False
         self.micro += 1
         for cap in self.captures.values():
             cap.calls_seen.append(cap.a_calls)

@@ -1,35 +1,174 @@
-"""Stage *communicate*: when local factors are all-reduced, and how they are fused."""
+"""Stage *communicate*: when local factors are all-reduced, and which are fused.
+
+A policy (:class:`~kfacflow.kfac.stages.FusionPolicy`) only decides. :class:`Grouper` applies
+its decisions to factors as they arrive; :class:`Communicator` runs a grouper on the backend
+during training, and :func:`plan_launches` runs one on the ready times of a traced step for the
+simulator. So a policy is one rule with two users, and a new policy is simulated the day it is
+written.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from kfacflow.dist.base import Backend, Handle
+from kfacflow.comm.base import Backend, Handle
 from kfacflow.kfac.fusion_plan import plan_groups
-from kfacflow.perf import Profile
+from kfacflow.kfac.stages import FusionOptions, FusionPolicy, Waiting
 from kfacflow.registry import COMMUNICATORS
 from kfacflow.timing import StepTimer
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class CommOptions:
-    """What the policies may need beyond the backend."""
+class Policy:
+    """Defaults of a fusion policy: nothing launched before the end of a pass, no planning."""
 
-    threshold_bytes: int = 64 * 2**20
-    """Fusion buffer size of the ``threshold`` policy (Horovod's default, 64 MiB)."""
-    profile: Profile | None = None
-    """All-reduce model of the ``optimal`` policy."""
-    profile_steps: int = 5
-    """Factor-update steps the ``optimal`` policy measures before it fixes its plan."""
-    timer: StepTimer | None = None
-    """Records each all-reduce from launch to completion when tracing."""
+    launch_after_forward = True
+    measure_steps = 0
+    plan: list[list[str]] | None = None
+
+    def __init__(self, options: FusionOptions) -> None:
+        self.options = options
+
+    def close_group(self, waiting: Sequence[Waiting]) -> bool:
+        """Keep waiting (the pass's end launches what waits)."""
+        return False
+
+    def learn(self, passes: Sequence[Sequence[tuple[str, float, int]]]) -> None:
+        """Nothing to learn."""
+
+
+class AfterBackward(Policy):
+    """All factors in one all-reduce after the backward pass (D-KFAC; the paper's ref. [22])."""
+
+    launch_after_forward = False
+
+
+class Naive(Policy):
+    """A factors fused after the forward pass (overlapping backward), G factors after backward (ref. [20])."""
+
+
+class Layerwise(Policy):
+    """Each factor all-reduced as soon as it is computed, no fusion ("LW w/o TF")."""
+
+    def close_group(self, waiting: Sequence[Waiting]) -> bool:
+        """Always: one all-reduce per factor."""
+        return True
+
+
+class Threshold(Policy):
+    """Layer-wise, consecutive factors fused until the buffer reaches a byte threshold ("LW w/ TTF")."""
+
+    def close_group(self, waiting: Sequence[Waiting]) -> bool:
+        """Once the waiting factors fill ``threshold_bytes``."""
+        return sum(w.nbytes for w in waiting) >= self.options.threshold_bytes
+
+
+class Optimal(Policy):
+    """Layer-wise with the fusion of the paper's Eq. 15 (SP w/ OTF), planned from measured times.
+
+    While it measures it behaves like :class:`Layerwise`. Then :func:`plan_groups` splits the
+    A factors (forward pass) and the G factors (backward pass) into consecutive groups from
+    their mean ready times, and a group is launched once its last member arrives.
+    """
+
+    def __init__(self, options: FusionOptions) -> None:
+        super().__init__(options)
+        self.measure_steps = options.profile_steps
+        self.group_of: dict[str, int] | None = None
+        self.group_len: list[int] = []
+
+    def close_group(self, waiting: Sequence[Waiting]) -> bool:
+        """When the newest factor completes its group (or has none)."""
+        if self.group_of is None:
+            return True
+        group = self.group_of.get(waiting[-1].key)
+        return group is None or sum(1 for w in waiting if self.group_of.get(w.key) == group) == self.group_len[group]
+
+    def learn(self, passes: Sequence[Sequence[tuple[str, float, int]]]) -> None:
+        """Plan the groups of each pass from its mean ready times (Eq. 15)."""
+        model = self.options.allreduce
+        assert model is not None, "the optimal fusion needs an all-reduce model"
+        self.plan = []
+        for items in passes:
+            keys = [key for key, _, _ in items]
+            groups = plan_groups([t for _, t, _ in items], [m for _, _, m in items], model)
+            self.plan += [[keys[i] for i in g] for g in groups]
+        self.group_of = {k: g for g, keys in enumerate(self.plan) for k in keys}
+        self.group_len = [len(keys) for keys in self.plan]
+        sizes = [sum(1 for _ in items) for items in passes]
+        logger.info("optimal fusion: %s factors per pass in %d all-reduces", sizes, len(self.plan))
+
+
+class Grouper:
+    """Applies a policy to factors as they arrive: returns the groups to launch, in order."""
+
+    def __init__(self, policy: FusionPolicy) -> None:
+        self.policy = policy
+        self.waiting: list[Waiting] = []
+
+    def add(self, item: Waiting) -> list[str] | None:
+        """Take one factor; return the keys to all-reduce now, if any."""
+        self.waiting.append(item)
+        return self._take() if self.policy.close_group(self.waiting) else None
+
+    def end_forward(self) -> list[str] | None:
+        """The forward pass is over; return the keys to all-reduce now, if any."""
+        return self._take() if self.policy.launch_after_forward and self.waiting else None
+
+    def end_backward(self) -> list[str] | None:
+        """The backward pass is over; return every key still waiting, if any."""
+        return self._take() if self.waiting else None
+
+    def _take(self) -> list[str]:
+        keys = [w.key for w in self.waiting]
+        self.waiting = []
+        return keys
+
+
+@dataclass(frozen=True)
+class Ready:
+    """A factor of a simulated step: when the hooks had it, and its elements."""
+
+    key: str
+    time: float
+    elements: int
+
+
+def plan_launches(
+    policy: FusionPolicy,
+    forward: Sequence[Ready],
+    forward_end: float,
+    backward: Sequence[Ready],
+    backward_end: float,
+    element_size: int = 4,
+) -> list[tuple[float, list[str]]]:
+    """Return (launch time, keys) of every all-reduce a step makes under ``policy`` (the simulator's view).
+
+    A policy that measures first is given the ready times of this step, relative to the start
+    of each pass, as :class:`Communicator` gives it the mean of its first steps.
+    """
+    passes = ((forward, forward[0].time if forward else 0.0), (backward, forward_end))
+    if policy.measure_steps:
+        policy.learn([[(r.key, r.time - start, r.elements) for r in items] for items, start in passes])
+    grouper = Grouper(policy)
+    launches: list[tuple[float, list[str]]] = []
+    ends = ((forward, forward_end, grouper.end_forward), (backward, backward_end, grouper.end_backward))
+    for items, end, close in ends:
+        for r in items:
+            keys = grouper.add(Waiting(r.key, r.elements, r.elements * element_size))
+            if keys:
+                launches.append((r.time, keys))
+        keys = close()
+        if keys:
+            launches.append((end, keys))
+    return launches
 
 
 class FusedAllreduce:
@@ -38,6 +177,7 @@ class FusedAllreduce:
     Args:
         backend: Where the all-reduce runs (its K-FAC group).
         items: ``(key, packed factor)`` pairs; all of one dtype and device.
+        timer: Records the all-reduce from launch to completion when tracing.
     """
 
     def __init__(self, backend: Backend, items: list[tuple[str, Tensor]], timer: StepTimer | None = None) -> None:
@@ -60,171 +200,97 @@ class FusedAllreduce:
 class Communicator:
     """Receives packed factors as layers produce them and returns them averaged over ranks.
 
-    The preconditioner's calls each factor-update step are: ``push`` (A factors, in the
-    forward pre-hooks), ``end_forward``, ``push`` (G factors, in the backward hooks),
-    ``end_backward``, ``wait``. Policies differ only in when they launch all-reduces and
-    what they fuse; this base class launches everything at ``wait``.
+    The calls each factor-update step: :meth:`push` (A factors, in the forward pass),
+    :meth:`end_forward`, :meth:`push` (G factors, in the backward pass), :meth:`end_backward`,
+    :meth:`wait`. The policy decides when to launch and what to fuse; for a policy that
+    measures, the ready times of its first steps (after one warm-up step) are averaged over
+    ranks, so that every rank plans from the same numbers.
 
     Args:
         backend: The communication engine.
-        options: Policy parameters.
+        policy: The fusion policy.
+        timer: Records each all-reduce from launch to completion when tracing.
     """
 
-    def __init__(self, backend: Backend, options: CommOptions) -> None:
-        self.backend = backend
-        self.options = options
-        self.pending: list[tuple[str, Tensor]] = []
+    def __init__(self, backend: Backend, policy: FusionPolicy, timer: StepTimer | None = None) -> None:
+        self.backend, self.policy, self.timer = backend, policy, timer
+        self.grouper = Grouper(policy)
+        self.pending: dict[str, Tensor] = {}
         self.inflight: list[FusedAllreduce] = []
         self.launches = 0
         """All-reduces launched so far (for tests and logs)."""
+        self._backward = False
+        self._fresh = True
+        self._t0 = 0.0
+        self._measured = 0
+        self._order: list[list[tuple[str, int]]] = [[], []]
+        self._ready: dict[str, list[float]] = {}
+
+    @property
+    def plan(self) -> list[list[str]] | None:
+        """The policy's planned groups, if it plans."""
+        return self.policy.plan
 
     def push(self, key: str, packed: Tensor) -> None:
-        """Take one local packed factor (``key`` ends in ``/A`` or ``/G``)."""
-        self.pending.append((key, packed))
+        """Take one local packed factor; launch what the policy says."""
+        now = time.perf_counter()
+        if self._fresh:
+            self._t0, self._fresh = now, False  # the first factor of a step starts the forward clock
+        self._note(key, packed.numel(), now - self._t0)
+        self.pending[key] = packed
+        self._launch(self.grouper.add(Waiting(key, packed.numel(), packed.numel() * packed.element_size())))
 
     def end_forward(self) -> None:
-        """Called once the forward pass has produced every A factor."""
+        """The forward pass has produced every A factor; the G clock starts."""
+        self._launch(self.grouper.end_forward())
+        self._backward, self._t0 = True, time.perf_counter()
 
     def end_backward(self) -> None:
-        """Called once the backward pass has produced every G factor."""
-
-    def flush(self) -> None:
-        """Launch one fused all-reduce of everything pending."""
-        if self.pending:
-            self.inflight.append(FusedAllreduce(self.backend, self.pending, self.options.timer))
-            self.launches += 1
-            self.pending = []
+        """The backward pass has produced every G factor."""
+        self._launch(self.grouper.end_backward())
 
     def wait(self) -> dict[str, Tensor]:
         """Launch what is still pending, wait for all, return the averaged factors by key."""
-        self.flush()
+        self._launch(self.grouper.end_backward())
         out: dict[str, Tensor] = {}
         for op in self.inflight:
             out.update(op.wait())
         self.inflight = []
+        self._backward, self._fresh = False, True
+        self._after_step()
         return out
 
+    def _launch(self, keys: list[str] | None) -> None:
+        if keys:
+            items = [(k, self.pending.pop(k)) for k in keys]
+            self.inflight.append(FusedAllreduce(self.backend, items, self.timer))
+            self.launches += 1
 
-class AfterBackward(Communicator):
-    """All factors in one all-reduce after the backward pass (D-KFAC; the paper's ref. [22])."""
-
-    def end_backward(self) -> None:
-        """Launch the single fused all-reduce."""
-        self.flush()
-
-
-class Naive(Communicator):
-    """A factors fused after the forward pass (overlapping backward), G factors after backward (ref. [20])."""
-
-    def end_forward(self) -> None:
-        """Launch the A all-reduce."""
-        self.flush()
-
-    def end_backward(self) -> None:
-        """Launch the G all-reduce."""
-        self.flush()
-
-
-class Layerwise(Naive):
-    """Each factor all-reduced as soon as it is computed, no fusion ("LW w/o TF")."""
-
-    def push(self, key: str, packed: Tensor) -> None:
-        """Launch this factor's all-reduce at once."""
-        super().push(key, packed)
-        self.flush()
-
-
-class Threshold(Naive):
-    """Layer-wise, consecutive factors fused until the buffer reaches a byte threshold ("LW w/ TTF")."""
-
-    def push(self, key: str, packed: Tensor) -> None:
-        """Add to the buffer; launch it once it holds ``threshold_bytes``."""
-        super().push(key, packed)
-        if sum(t.numel() * t.element_size() for _, t in self.pending) >= self.options.threshold_bytes:
-            self.flush()
-
-
-class Optimal(Naive):
-    """Layer-wise with the fusion of the paper's Eq. 15 (SP w/ OTF), planned from measured times.
-
-    For the first ``profile_steps`` factor-update steps it all-reduces layer by layer and
-    records when each factor became ready (relative to the first A of the forward pass, and to
-    the end of the forward pass for G). The mean ready times are then averaged over ranks, so
-    every rank computes the same plan from the same numbers (:func:`plan_groups`), separately
-    for the A factors (forward) and the G factors (backward).
-    """
-
-    def __init__(self, backend: Backend, options: CommOptions) -> None:
-        super().__init__(backend, options)
-        self.t0 = 0.0
-        self.fresh = True
-        self.ready: dict[str, list[float]] = {}
-        self.sizes: dict[str, int] = {}
-        self.order: list[str] = []
-        self.measured = 0
-        self.group_of: dict[str, int] | None = None
-        self.group_len: list[int] = []
-        self.plan: list[list[str]] = []
-
-    def push(self, key: str, packed: Tensor) -> None:
-        """Record the ready time; launch when the planned group is complete."""
-        now = time.perf_counter()
-        if self.fresh:
-            self.t0, self.fresh = now, False  # the first factor of a step starts the forward clock
-        if self.group_of is None:
-            if self.measured == 0:  # the first step orders the keys; its times include warm-up
-                self.order.append(key)
-                self.sizes[key] = packed.numel()
-            else:
-                self.ready.setdefault(key, []).append(now - self.t0)
-            super().push(key, packed)
-            self.flush()
+    def _note(self, key: str, elements: int, seconds: float) -> None:
+        if not self.policy.measure_steps or self.policy.plan is not None:
             return
-        super().push(key, packed)
-        group = self.group_of.get(key)
-        if group is None or sum(1 for k, _ in self.pending if self.group_of.get(k) == group) == self.group_len[group]:
-            self.flush()
+        if self._measured == 0:  # the first step orders the keys; its times include warm-up
+            self._order[int(self._backward)].append((key, elements))
+        else:
+            self._ready.setdefault(key, []).append(seconds)
 
-    def end_forward(self) -> None:
-        """Launch any incomplete A group; the G clock starts here."""
-        super().end_forward()
-        self.t0 = time.perf_counter()
-
-    def wait(self) -> dict[str, Tensor]:
-        """Wait as usual; after the profiling steps, make the plan."""
-        out = super().wait()
-        self.fresh = True
-        if self.group_of is None:
-            self.measured += 1
-            if self.measured > self.options.profile_steps:
-                self._make_plan()
-        return out
-
-    def _make_plan(self) -> None:
-        profile = self.options.profile
-        assert profile is not None, "the optimal fusion needs an all-reduce model"
-        means = torch.tensor([sum(self.ready[k]) / len(self.ready[k]) for k in self.order], dtype=torch.float64)
+    def _after_step(self) -> None:
+        if not self.policy.measure_steps or self.policy.plan is not None:
+            return
+        self._measured += 1
+        if self._measured <= self.policy.measure_steps:
+            return
+        keys = [k for order in self._order for k, _ in order]
+        means = torch.tensor([sum(self._ready[k]) / len(self._ready[k]) for k in keys], dtype=torch.float64)
         means = self.backend.allreduce_sum(means) / self.backend.world_size
-        ready = dict(zip(self.order, means.tolist(), strict=True))
-        self.plan = []
-        for kind in ("/A", "/G"):
-            keys = [k for k in self.order if k.endswith(kind)]
-            groups = plan_groups([ready[k] for k in keys], [self.sizes[k] for k in keys], profile.allreduce)
-            self.plan += [[keys[i] for i in g] for g in groups]
-        self.group_of = {k: g for g, keys in enumerate(self.plan) for k in keys}
-        self.group_len = [len(keys) for keys in self.plan]
-        n_a = sum(1 for g in self.plan if g[0].endswith("/A"))
-        logger.info(
-            "optimal fusion: %d A factors in %d all-reduces, %d G factors in %d",
-            sum(len(g) for g in self.plan[:n_a]),
-            n_a,
-            sum(len(g) for g in self.plan[n_a:]),
-            len(self.plan) - n_a,
-        )
+        ready = dict(zip(keys, means.tolist(), strict=True))
+        self.policy.learn([[(k, ready[k], m) for k, m in order] for order in self._order])
 
 
 COMMUNICATORS.add("after_backward", AfterBackward, "all factors fused into one all-reduce after backward (D-KFAC)")
 COMMUNICATORS.add("naive", Naive, "A factors all-reduced after forward, G factors after backward (Fig. 10 Naive)")
 COMMUNICATORS.add("layerwise", Layerwise, "each factor all-reduced as soon as computed, no fusion (LW w/o TF)")
 COMMUNICATORS.add("threshold", Threshold, "layer-wise, fused up to kfac.fusion_threshold_mb (LW w/ TTF)")
-COMMUNICATORS.add("optimal", Optimal, "layer-wise, fused by the paper's Eq. 15 from measured times (SP w/ OTF)")
+COMMUNICATORS.add(
+    "optimal", Optimal, "layer-wise, fused by the paper's Eq. 15 from measured times (SP w/ OTF)", needs_profile=True
+)

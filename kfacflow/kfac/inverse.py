@@ -1,89 +1,101 @@
-"""Stage *invert*: damped inverses of factors, as one small type every other stage understands."""
+"""Stage *invert*: damped inverses of factors, as one small type every other stage understands.
+
+An :class:`Inverse` is what is broadcast (:meth:`Inverse.to_flat`), checkpointed
+(:attr:`Inverse.tensors`) and applied (:meth:`Inverse.left`, :meth:`Inverse.right`), so any
+inverse method works with any placement and any precondition stage. Two kinds exist: the dense
+matrix (Cholesky) and the eigendecomposition.
+"""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from kfacflow.kfac.factors import pack, packed_size, unpack
+from kfacflow.kfac.packing import pack, packed_size, unpack
+from kfacflow.kfac.stages import Inverse
 from kfacflow.registry import INVERSES
+
+__all__ = ["Cholesky", "DenseInverse", "Eigen", "EigenInverse", "Inverse", "cholesky_inverse", "eigen_inverse"]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class Inverse:
-    """``(F + damping I)^-1`` of one factor, stored densely or as an eigendecomposition.
+class DenseInverse(Inverse):
+    """The symmetric inverse matrix; it travels as its packed upper triangle."""
 
-    ``dense`` holds the symmetric inverse; ``eigen`` holds ``Q`` and ``1 / (lambda + damping)``
-    so that the inverse is ``Q diag(scale) Q^T``. Preconditioning, broadcasting and
-    checkpointing only go through the methods below, so any inverse works with any placement.
-    """
+    kind = "dense"
 
-    kind: str
-    tensors: tuple[Tensor, ...]
+    def __init__(self, matrix: Tensor) -> None:
+        self.matrix = matrix
+
+    @property
+    def tensors(self) -> tuple[Tensor, ...]:
+        """The matrix."""
+        return (self.matrix,)
 
     def left(self, x: Tensor) -> Tensor:
         """Return ``inverse @ x``."""
-        if self.kind == "dense":
-            return self.tensors[0] @ x
-        q, scale = self.tensors
-        return q @ (scale[:, None] * (q.T @ x))
-
-    def right(self, x: Tensor) -> Tensor:
-        """Return ``x @ inverse`` (the inverse is symmetric)."""
-        return self.left(x.T).T
+        return self.matrix @ x
 
     def dense(self) -> Tensor:
-        """Return the inverse as a dense matrix."""
-        if self.kind == "dense":
-            return self.tensors[0]
-        q, scale = self.tensors
-        return (q * scale) @ q.T
+        """Return the matrix."""
+        return self.matrix
 
     def to_flat(self) -> Tensor:
-        """Return one vector to broadcast: the packed upper triangle, or ``Q`` and the scales."""
-        if self.kind == "dense":
-            return pack(self.tensors[0])
-        q, scale = self.tensors
-        return torch.cat([q.reshape(-1), scale])
+        """Return the packed upper triangle."""
+        return pack(self.matrix)
 
-    @staticmethod
-    def flat_size(kind: str, d: int) -> int:
-        """Return the length of :meth:`to_flat` for a d x d factor."""
-        return packed_size(d) if kind == "dense" else d * d + d
+    @classmethod
+    def elements(cls, d: int) -> int:
+        """Return ``d (d + 1) / 2``."""
+        return packed_size(d)
 
-    @staticmethod
-    def from_flat(kind: str, flat: Tensor, d: int) -> Inverse:
-        """Rebuild an :class:`Inverse` from :meth:`to_flat`'s vector."""
-        if kind == "dense":
-            return Inverse("dense", (unpack(flat, d),))
-        return Inverse("eigen", (flat[: d * d].reshape(d, d), flat[d * d :]))
+    @classmethod
+    def unflat(cls, flat: Tensor, d: int) -> Inverse:
+        """Unpack the upper triangle."""
+        return cls(unpack(flat, d))
+
+
+class EigenInverse(Inverse):
+    """``Q diag(scale) Q^T`` with ``scale = 1 / (lambda + damping)``; ``Q`` and ``scale`` travel."""
+
+    kind = "eigen"
+
+    def __init__(self, q: Tensor, scale: Tensor) -> None:
+        self.q, self.scale = q, scale
+
+    @property
+    def tensors(self) -> tuple[Tensor, ...]:
+        """``Q`` and the scales."""
+        return (self.q, self.scale)
+
+    def left(self, x: Tensor) -> Tensor:
+        """Return ``Q diag(scale) Q^T x``."""
+        return self.q @ (self.scale[:, None] * (self.q.T @ x))
+
+    def dense(self) -> Tensor:
+        """Return ``Q diag(scale) Q^T``."""
+        return (self.q * self.scale) @ self.q.T
+
+    def to_flat(self) -> Tensor:
+        """Return ``Q`` (row-major) followed by the scales."""
+        return torch.cat([self.q.reshape(-1), self.scale])
+
+    @classmethod
+    def elements(cls, d: int) -> int:
+        """Return ``d^2 + d``."""
+        return d * d + d
+
+    @classmethod
+    def unflat(cls, flat: Tensor, d: int) -> Inverse:
+        """Split the vector into ``Q`` and the scales."""
+        return cls(flat[: d * d].reshape(d, d), flat[d * d :])
 
 
 def _damped(factor: Tensor, damping: float) -> Tensor:
     return factor + damping * torch.eye(factor.shape[0], dtype=factor.dtype, device=factor.device)
-
-
-def cholesky_inverse(factor: Tensor, damping: float) -> Inverse:
-    """Return ``(factor + damping I)^-1`` through a Cholesky factorisation (half LU's flops).
-
-    A factor whose large eigenvalues make the damping vanish in round-off is not numerically
-    positive definite. Then the damping is raised tenfold, twice, and if that fails too the
-    eigendecomposition (with negative eigenvalues clamped) gives the inverse; this is logged
-    once per process. Every rank that inverts the same factor takes the same path.
-    """
-    for boost in RETRY_BOOSTS:
-        chol, info = torch.linalg.cholesky_ex(_damped(factor, damping * boost))
-        if int(info) == 0:
-            if boost != 1:
-                warn_once(f"a factor needed {boost}x damping to be positive definite")
-            return Inverse("dense", (torch.cholesky_inverse(chol),))
-    warn_once("a factor stayed indefinite under Cholesky; using its eigendecomposition")
-    return Inverse("dense", (eigen_inverse(factor, damping).dense(),))
 
 
 RETRY_BOOSTS = (1, 10, 100)
@@ -97,15 +109,44 @@ def warn_once(message: str) -> None:
         logger.warning("%s (logged once)", message)
 
 
-def eigen_inverse(factor: Tensor, damping: float) -> Inverse:
-    """Return ``(factor + damping I)^-1`` as ``Q diag(1/(lambda + damping)) Q^T``.
+class Cholesky:
+    """``(factor + damping I)^-1`` through a Cholesky factorisation (half LU's flops).
+
+    A factor whose large eigenvalues make the damping vanish in round-off is not numerically
+    positive definite. Then the damping is raised tenfold, twice, and if that fails too the
+    eigendecomposition (with negative eigenvalues clamped) gives the inverse; this is logged
+    once per process. Every rank that inverts the same factor takes the same path.
+    """
+
+    result: type[Inverse] = DenseInverse
+
+    def __call__(self, factor: Tensor, damping: float) -> Inverse:
+        """Return the damped inverse of ``factor`` as a :class:`DenseInverse`."""
+        for boost in RETRY_BOOSTS:
+            chol, info = torch.linalg.cholesky_ex(_damped(factor, damping * boost))
+            if int(info) == 0:
+                if boost != 1:
+                    warn_once(f"a factor needed {boost}x damping to be positive definite")
+                return DenseInverse(torch.cholesky_inverse(chol))
+        warn_once("a factor stayed indefinite under Cholesky; using its eigendecomposition")
+        return DenseInverse(eigen_inverse(factor, damping).dense())
+
+
+class Eigen:
+    """``(factor + damping I)^-1`` as ``Q diag(1/(lambda + damping)) Q^T``.
 
     Eigenvalues below zero (round-off of a PSD factor) are clamped to zero first.
     """
-    evals, q = torch.linalg.eigh(factor)
-    return Inverse("eigen", (q, 1.0 / (evals.clamp(min=0.0) + damping)))
+
+    result: type[Inverse] = EigenInverse
+
+    def __call__(self, factor: Tensor, damping: float) -> Inverse:
+        """Return the damped inverse of ``factor`` as an :class:`EigenInverse`."""
+        evals, q = torch.linalg.eigh(factor)
+        return EigenInverse(q, 1.0 / (evals.clamp(min=0.0) + damping))
 
 
+cholesky_inverse = Cholesky()
+eigen_inverse = Eigen()
 INVERSES.add("cholesky", cholesky_inverse, "Cholesky factorisation then cholesky_inverse (dense result)")
 INVERSES.add("eigen", eigen_inverse, "symmetric eigendecomposition; Q and 1/(lambda+damping) travel")
-KINDS = {"cholesky": "dense", "eigen": "eigen"}

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 from torch.nn.utils import parametrize
 
-from kfacflow.errors import UserError, did_you_mean
+from kfacflow import UserError, did_you_mean
 
 logger = logging.getLogger(__name__)
 

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from kfacflow.errors import UserError
+from collections.abc import Sequence
+
+from kfacflow import UserError
+from kfacflow.kfac.stages import EVERY_RANK
 from kfacflow.perf import Profile
 from kfacflow.registry import PLACEMENTS
 
-EVERY_RANK = -1
-"""Owner value of a non-communicated tensor (NCT): every rank inverts it, nothing is sent."""
+__all__ = ["EVERY_RANK", "lbp", "local", "round_robin", "schedule"]
 
 
-def local(dims: list[int], sizes: list[int], world_size: int, profile: Profile | None) -> list[int]:
+def local(dims: Sequence[int], sizes: Sequence[int], world_size: int, profile: Profile | None) -> list[int]:
     """Every rank inverts every factor (D-KFAC): no inverse traffic.
 
     Args:
@@ -25,14 +27,14 @@ def local(dims: list[int], sizes: list[int], world_size: int, profile: Profile |
     return [EVERY_RANK] * len(dims)
 
 
-def round_robin(dims: list[int], sizes: list[int], world_size: int, profile: Profile | None) -> list[int]:
+def round_robin(dims: Sequence[int], sizes: Sequence[int], world_size: int, profile: Profile | None) -> list[int]:
     """Factor ``i`` goes to rank ``i mod P`` and every result is broadcast (MPD-KFAC, refs. [13, 22, 20])."""
     if world_size == 1:
         return local(dims, sizes, world_size, profile)
     return [i % world_size for i in range(len(dims))]
 
 
-def lbp(dims: list[int], sizes: list[int], world_size: int, profile: Profile | None) -> list[int]:
+def lbp(dims: Sequence[int], sizes: Sequence[int], world_size: int, profile: Profile | None) -> list[int]:
     """Load-balancing placement (the paper's Algorithm 1).
 
     Factors are taken largest first. A factor whose estimated inverse time is below its
@@ -81,4 +83,9 @@ def schedule(dims: list[int], owners: list[int], world_size: int, profile: Profi
 
 PLACEMENTS.add("local", local, "every rank inverts every factor; no inverse traffic (D-KFAC)")
 PLACEMENTS.add("round_robin", round_robin, "factor i inverted by rank i mod P, every result broadcast (MPD-KFAC)")
-PLACEMENTS.add("lbp", lbp, "Algorithm 1: largest first to the least-loaded rank; NCT where inverting beats sending")
+PLACEMENTS.add(
+    "lbp",
+    lbp,
+    "Algorithm 1: largest first to the least-loaded rank; NCT where inverting beats sending",
+    needs_profile=True,
+)

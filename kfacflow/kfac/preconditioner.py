@@ -1,4 +1,4 @@
-"""The K-FAC orchestrator: runs factor, communicate, invert and precondition each step."""
+"""The K-FAC orchestrator: runs factor, communicate, invert and precondition each step; knows no policy."""
 
 from __future__ import annotations
 
@@ -8,18 +8,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from kfacflow import UserError
+from kfacflow.comm.base import Backend, Handle
 from kfacflow.config import KFACConfig
-from kfacflow.dist.base import Backend, Handle
-from kfacflow.errors import UserError
 from kfacflow.kfac.capture import Capture
-from kfacflow.kfac.factors import unpack
-from kfacflow.kfac.fusion import CommOptions
-from kfacflow.kfac.inverse import KINDS, Inverse, warn_once
+from kfacflow.kfac.fusion import Communicator
+from kfacflow.kfac.inverse import Inverse, warn_once
 from kfacflow.kfac.layers import KFACLayer, find_layers
-from kfacflow.kfac.placement import EVERY_RANK, schedule
-from kfacflow.kfac.variants import Stages
+from kfacflow.kfac.packing import unpack
+from kfacflow.kfac.placement import schedule
+from kfacflow.kfac.stages import EVERY_RANK, FactorSlot, StageSet
 from kfacflow.perf import Profile
-from kfacflow.registry import COMMUNICATORS, FACTORS, INVERSES, PLACEMENTS, PRECONDITIONERS
 from kfacflow.timing import StepTimer
 
 logger = logging.getLogger(__name__)
@@ -28,17 +27,18 @@ logger = logging.getLogger(__name__)
 class KFACPreconditioner:
     """Preconditions the gradients of a model's Linear and Conv2d layers with K-FAC.
 
-    Call :meth:`end_forward` after each forward pass and :meth:`step` between the last
-    ``loss.backward()`` of a step and ``optimizer.step()``. Hooks capture the layer inputs (A)
-    and output gradients (G) on the steps that update factors and hand each packed factor to
-    the communicate stage as soon as it is complete (:mod:`kfacflow.kfac.capture`).
+    Call :meth:`step` between the last ``loss.backward()`` of a step and ``optimizer.step()``.
+    Hooks capture the layer inputs (A) and output gradients (G) on the steps that update
+    factors and hand each packed factor to the communicate stage as soon as it is complete
+    (:mod:`kfacflow.kfac.capture`); a hook on the model itself tells them when a forward pass
+    ends (:meth:`end_forward`, which may also be called by hand).
 
     Args:
         model: The network (unwrapped; hooks go on its modules).
-        cfg: The ``kfac`` section of the recipe.
-        stages: Stage names after the variant preset was applied.
+        cfg: The ``kfac`` section of the recipe (hyperparameters and ``skip``).
+        stages: The built stages (:func:`kfacflow.build.stages`).
         backend: The communication engine.
-        profile: Performance models (needed by the ``optimal`` fusion and ``lbp`` placement).
+        profile: Performance models (the placement and the schedule of inversions use them).
         timer: Where stage times and (when tracing) per-layer events go.
         accumulate: Forward/backward passes (micro-batches) per step, each loss divided by it.
 
@@ -50,16 +50,16 @@ class KFACPreconditioner:
         self,
         model: nn.Module,
         cfg: KFACConfig,
-        stages: Stages,
+        stages: StageSet,
         backend: Backend,
         profile: Profile | None = None,
         timer: StepTimer | None = None,
         accumulate: int = 1,
     ) -> None:
         self.cfg = cfg
+        self.stages = stages
         self.backend = backend
         self.profile = profile
-        self.placement = stages.placement
         self.timer = timer or StepTimer(backend.device)
         self.layers: list[KFACLayer] = find_layers(model, list(cfg.skip))
         if not self.layers:
@@ -67,53 +67,56 @@ class KFACPreconditioner:
                 "kfac: the model has no Linear or Conv2d layer K-FAC can precondition "
                 "(check kfac.skip, or use kfac.variant=sgd)."
             )
-        options = CommOptions(
-            threshold_bytes=int(cfg.fusion_threshold_mb * 2**20),
-            profile=profile,
-            profile_steps=cfg.profile_steps,
-            timer=self.timer,
-        )
-        self.comm: Any = COMMUNICATORS.get(stages.fusion)(backend, options)
-        self.capture = Capture(self.layers, FACTORS.get(cfg.factor)(), self.comm.push, self.timer, accumulate)
-        self.invert: Any = INVERSES.get(stages.inverse)
-        self.inverse_kind = KINDS[stages.inverse]
-        self.precondition: Any = PRECONDITIONERS.get(cfg.precondition)(cfg.kl_clip)
+        self.comm = Communicator(backend, stages.fusion, self.timer)
+        self.capture = Capture(self.layers, stages.factor, self.comm.push, self.timer, accumulate)
+        self._root_hook = model.register_forward_hook(lambda module, inputs, output: self._forward_done(module))
         self.steps = 0
         self.running: dict[str, Tensor] = {}
         """Running averages of the factors, packed (upper triangles): half the memory and work."""
         self.inverses: dict[str, Inverse] = {}
         self._plan()
-        nct = sum(o == EVERY_RANK for o in self.owners)
         logger.info(
-            "K-FAC on %d layers (%s, %s, %s); largest factor %d; %d of %d inverses on every rank",
+            "K-FAC on %d layers; largest factor %d; %d of %d inverses on every rank",
             len(self.layers),
-            stages.fusion,
-            stages.placement,
-            stages.inverse,
-            max(self.dims),
-            nct,
-            len(self.dims),
+            max(slot.dim for slot in self.slots),
+            sum(slot.owner == EVERY_RANK for slot in self.slots),
+            len(self.slots),
         )
 
     def _plan(self) -> None:
-        """Name the factors of :attr:`layers` and decide who inverts each (again once unused layers are known)."""
-        self.keys = [f"{layer.name}/{ab}" for layer in self.layers for ab in ("A", "G")]
-        self.dims = [d for layer in self.layers for d in (layer.a_dim, layer.g_dim)]
-        sizes = [Inverse.flat_size(self.inverse_kind, d) for d in self.dims]
-        self.owners: list[int] = PLACEMENTS.get(self.placement)(self.dims, sizes, self.backend.world_size, self.profile)
-        self.order = schedule(self.dims, self.owners, self.backend.world_size, self.profile)
+        """Make a slot per factor of :attr:`layers` and decide who inverts each (again once unused layers are known)."""
+        self.slots = [FactorSlot(layer, side) for layer in self.layers for side in ("A", "G")]  # type: ignore[arg-type]
+        dims = [slot.dim for slot in self.slots]
+        sizes = [self.stages.invert.result.elements(d) for d in dims]
+        owners = self.stages.placement(dims, sizes, self.backend.world_size, self.profile)
+        for slot, size, owner in zip(self.slots, sizes, owners, strict=True):
+            slot.flat_size, slot.owner = size, owner
+        self.order = [self.slots[i] for i in schedule(dims, owners, self.backend.world_size, self.profile)]
 
-    def _keep_layers(self, names: set[str]) -> None:
-        self.layers = [layer for layer in self.layers if layer.name in names]
-        self._plan()
+    @property
+    def keys(self) -> list[str]:
+        """The factors' keys, A1, G1, A2, G2, ..."""
+        return [slot.key for slot in self.slots]
+
+    @property
+    def owners(self) -> list[int]:
+        """Who inverts each factor, in the order of :attr:`keys`."""
+        return [slot.owner for slot in self.slots]
 
     # --- stage: factor (hooks in kfacflow.kfac.capture) ------------------------------------------------
 
     def _updates_factors(self) -> bool:
         return self.steps % self.cfg.factor_update_freq == 0
 
+    def _forward_done(self, model: nn.Module) -> None:
+        if model.training and torch.is_grad_enabled():
+            self.end_forward()
+
     def end_forward(self) -> None:
-        """Tell the factor and communicate stages a forward pass is over (call it after each one)."""
+        """Tell the factor and communicate stages a forward pass is over (a hook on the model calls it).
+
+        Calling it again for the same pass does nothing.
+        """
         if self._updates_factors() and self.capture.end_forward():
             with self.timer.span("FactorComm"):
                 self.comm.end_forward()
@@ -132,10 +135,9 @@ class KFACPreconditioner:
                 self._update_factors(averaged)
         if self.steps % self.cfg.inv_update_freq == 0:
             self._update_inverses()
-        grads = [layer.grad_matrix() for layer in self.layers]
-        live = [(layer, g) for layer, g in zip(self.layers, grads, strict=True) if g is not None]
+        live = [(layer, g) for layer in self.layers if (g := layer.grad_matrix()) is not None]
         inverses = [(self.inverses[f"{layer.name}/A"], self.inverses[f"{layer.name}/G"]) for layer, _ in live]
-        updates = self.precondition([g for _, g in live], inverses, lr)
+        updates = self.stages.precondition([g for _, g in live], inverses, lr)
         for (layer, _), update in zip(live, updates, strict=True):
             layer.set_grad(update)
         self._next_step()
@@ -155,11 +157,15 @@ class KFACPreconditioner:
         with self.timer.span("FactorComm"):
             dropped = self.capture.finish()
             self.comm.end_backward()
-            averaged: dict[str, Tensor] = self.comm.wait()
+            averaged = self.comm.wait()
         self.capture.reset()
         if dropped:
             self._keep_layers({layer.name for layer in self.capture.layers})
         return averaged
+
+    def _keep_layers(self, names: set[str]) -> None:
+        self.layers = [layer for layer in self.layers if layer.name in names]
+        self._plan()
 
     def _update_factors(self, averaged: dict[str, Tensor]) -> None:
         decay = self.cfg.factor_decay
@@ -180,36 +186,35 @@ class KFACPreconditioner:
     @property
     def factors(self) -> dict[str, Tensor]:
         """The running averages as full symmetric matrices (for inspection; the step keeps them packed)."""
-        dims = dict(zip(self.keys, self.dims, strict=True))
+        dims = {slot.key: slot.dim for slot in self.slots}
         return {k: unpack(v, dims[k]) for k, v in self.running.items()}
 
     def _update_inverses(self) -> None:
         """Invert owned factors; broadcast each communicated result as soon as it is ready."""
-        rank, damping = self.backend.rank, self.cfg.damping
-        sends: list[tuple[str, int, Tensor, Handle]] = []
+        rank, damping, result = self.backend.rank, self.cfg.damping, self.stages.invert.result
+        sends: list[tuple[FactorSlot, Tensor, Handle]] = []
         with torch.no_grad():
-            for i in self.order:
-                key, d, owner = self.keys[i], self.dims[i], self.owners[i]
-                if owner in (EVERY_RANK, rank):
-                    with self.timer.span("InverseComp", key, "inverse"):
-                        inv = self.invert(unpack(self.running[key], d), damping)
-                    self.inverses[key] = inv
-                    if owner == EVERY_RANK:
+            for slot in self.order:
+                if slot.owner in (EVERY_RANK, rank):
+                    with self.timer.span("InverseComp", slot.key, "inverse"):
+                        inv = self.stages.invert(unpack(self.running[slot.key], slot.dim), damping)
+                    self.inverses[slot.key] = inv
+                    if slot.owner == EVERY_RANK:
                         continue
-                    with self.timer.span("InverseComm", key, "pack"):
+                    with self.timer.span("InverseComm", slot.key, "pack"):
                         flat = inv.to_flat()
                 else:
-                    flat = self.running[key].new_empty(Inverse.flat_size(self.inverse_kind, d))
+                    flat = self.running[slot.key].new_empty(slot.flat_size)
                 with self.timer.span("InverseComm"):
-                    handle = self.backend.broadcast_async(flat, owner)
-                self.timer.on_done(handle, f"{key} from {owner}", "broadcast")
-                sends.append((key, d, flat, handle))
-            for key, d, flat, handle in sends:
+                    handle = self.backend.broadcast_async(flat, slot.owner)
+                self.timer.on_done(handle, f"{slot.key} from {slot.owner}", "broadcast")
+                sends.append((slot, flat, handle))
+            for slot, flat, handle in sends:
                 with self.timer.span("InverseComm"):
                     handle.wait()
                 # The owner takes the broadcast copy too, so that every rank holds the same bits.
-                with self.timer.span("InverseComm", f"{key} unpack", "pack"):
-                    self.inverses[key] = Inverse.from_flat(self.inverse_kind, flat, d)
+                with self.timer.span("InverseComm", f"{slot.key} unpack", "pack"):
+                    self.inverses[slot.key] = result.unflat(flat, slot.dim)
 
     # --- checkpoints ------------------------------------------------------------------------------
 
@@ -239,7 +244,7 @@ class KFACPreconditioner:
                 )
             self.capture.set_uses(uses)
             self._keep_layers(set(uses))
-        dims = dict(zip(self.keys, self.dims, strict=True))
+        dims = {slot.key: slot.dim for slot in self.slots}
         for key, packed in state["factors"].items():
             if key not in dims or packed.numel() != dims[key] * (dims[key] + 1) // 2:
                 raise UserError(
@@ -248,9 +253,10 @@ class KFACPreconditioner:
                 )
         self.steps = int(state["steps"])
         self.running = {k: v.clone() for k, v in state["factors"].items()}
-        self.inverses = {k: Inverse(kind, tuple(ts)) for k, (kind, ts) in state["inverses"].items()}
+        self.inverses = {k: Inverse.restore(kind, ts) for k, (kind, ts) in state["inverses"].items()}
         self.capture.active = self._updates_factors()
 
     def remove(self) -> None:
         """Remove the hooks."""
         self.capture.remove()
+        self._root_hook.remove()

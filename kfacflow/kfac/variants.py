@@ -5,17 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kfacflow.config import KFACConfig
+from kfacflow.kfac.stages import Variant
 from kfacflow.registry import VARIANTS
 
-
-@dataclass(frozen=True)
-class Variant:
-    """The stage choices a variant stands for; ``preconditioned=False`` means no K-FAC at all."""
-
-    fusion: str = "after_backward"
-    placement: str = "local"
-    inverse: str = "cholesky"
-    preconditioned: bool = True
+__all__ = ["Stages", "Variant", "resolve"]
 
 
 @dataclass(frozen=True)
@@ -31,7 +24,6 @@ class Stages:
 def resolve(cfg: KFACConfig) -> Stages:
     """Return the stages of ``cfg.variant`` with any explicit ``kfac.fusion/placement/inverse`` winning."""
     v = VARIANTS.get(cfg.variant)
-    assert isinstance(v, Variant)
     return Stages(
         fusion=cfg.fusion or v.fusion,
         placement=cfg.placement or v.placement,

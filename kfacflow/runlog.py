@@ -1,4 +1,4 @@
-"""What a run shows and keeps on rank 0: progress bar, TensorBoard, timings.jsonl, the traced step, the summary.
+"""The run log: what a run shows and keeps on rank 0 (progress bar, TensorBoard, timings.jsonl, traced step, summary).
 
 The trainer gathers the numbers (the collectives stay in the loop); this observer only writes them.
 """
@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 TIMINGS = "timings.jsonl"
 
 
-class Reporter:
+class RunLog:
     """Rank 0's view of the run (every method is a no-op on other ranks).
 
     Args:

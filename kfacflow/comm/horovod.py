@@ -12,10 +12,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from kfacflow import UserError
+from kfacflow.comm.base import Backend, Done, Handle
+from kfacflow.comm.torch_dist import pick_device
 from kfacflow.config import DistConfig
-from kfacflow.dist.base import Backend, Done, Handle
-from kfacflow.dist.torch import pick_device
-from kfacflow.errors import UserError
+from kfacflow.registry import BACKENDS
 
 logger = logging.getLogger(__name__)
 
@@ -136,3 +137,6 @@ class HorovodBackend(Backend):
     def close(self) -> None:
         """Shut Horovod down."""
         self.hvd.shutdown()
+
+
+BACKENDS.add("horovod", HorovodBackend, "Horovod (horovodrun): async all-reduce/broadcast, DistributedOptimizer")

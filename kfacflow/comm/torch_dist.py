@@ -15,8 +15,8 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from kfacflow.comm.base import Backend, Done, Handle
 from kfacflow.config import DistConfig
-from kfacflow.dist.base import Backend, Done, Handle
 from kfacflow.registry import BACKENDS
 
 logger = logging.getLogger(__name__)
@@ -84,7 +84,9 @@ class TorchBackend(Backend):
         # DDP compares the hook's annotations with the real classes; postponed (string) annotations
         # from ``from __future__ import annotations`` would fail that check.
         timed_allreduce.__annotations__ = {
-            "state": Any, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]
+            "state": Any,
+            "bucket": dist.GradBucket,
+            "return": torch.futures.Future[torch.Tensor],
         }
         # DDP's own all-reduce, with the launch time noted for the GradComm breakdown.
         ddp.register_comm_hook(None, timed_allreduce)

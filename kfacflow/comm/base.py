@@ -66,6 +66,7 @@ class Backend(ABC):
 
     def finish_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Block until this step's gradients are averaged over ranks (before K-FAC reads them)."""
+        return None  # DDP's backward pass itself waits for its all-reduces
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Apply the (preconditioned) gradients."""

@@ -1,0 +1,271 @@
+"""The one place a validated recipe becomes objects: plugins, name checks, the variant preset, the builders.
+
+:func:`check` runs what the schema cannot (names in the registries, files the recipe points
+at, the environment) before anything starts; :func:`training` builds, in every worker, what
+the trainer runs: data, model, K-FAC with its stages, optimizer, schedule and loaders.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+from torch.utils.data import DataLoader
+
+from kfacflow import UserError, registry
+from kfacflow.comm.base import Backend
+from kfacflow.config import DistConfig, KFACConfig
+from kfacflow.data import DataInfo, build_datasets, check_shard
+from kfacflow.kfac.preconditioner import KFACPreconditioner
+from kfacflow.kfac.stages import FusionOptions, StageSet
+from kfacflow.kfac.variants import Stages, resolve
+from kfacflow.loader import ResumableSampler, eval_loader, train_loader
+from kfacflow.models import build_model, check_name
+from kfacflow.optim import build_optimizer, build_scheduler
+from kfacflow.perf import Profile, calibrate
+from kfacflow.resume import check_meta, check_model
+from kfacflow.rundir import CHECKPOINTS, checkpoints, load_latest_checkpoint
+from kfacflow.seeding import seed_all
+from kfacflow.timing import StepTimer
+
+logger = logging.getLogger(__name__)
+
+PLUGINS = (
+    "kfacflow.data",
+    "kfacflow.models",
+    "kfacflow.optim",
+    "kfacflow.comm.torch_dist",
+    "kfacflow.comm.horovod",
+    "kfacflow.kfac.variants",
+    "kfacflow.kfac.factors",
+    "kfacflow.kfac.fusion",
+    "kfacflow.kfac.placement",
+    "kfacflow.kfac.inverse",
+    "kfacflow.kfac.precondition",
+)
+"""The modules that fill the registries."""
+PROFILE = "profile.yaml"
+
+
+def load_plugins() -> None:
+    """Import every module that registers entries, so the registries are complete."""
+    for name in PLUGINS:
+        importlib.import_module(name)
+
+
+def check(cfg: DictConfig) -> None:
+    """Check what the schema cannot: registry names, the files the recipe names, the environment.
+
+    Raises:
+        UserError: Naming the key to change.
+    """
+    load_plugins()
+    k = cfg.kfac
+    for reg, name in (
+        (registry.DATASETS, cfg.data.name),
+        (registry.OPTIMIZERS, cfg.optim.name),
+        (registry.SCHEDULES, cfg.schedule.name),
+        (registry.BACKENDS, cfg.dist.backend),
+        (registry.VARIANTS, k.variant),
+        (registry.FACTORS, k.factor),
+        (registry.PRECONDITIONERS, k.precondition),
+        (registry.COMMUNICATORS, k.fusion),
+        (registry.PLACEMENTS, k.placement),
+        (registry.INVERSES, k.inverse),
+    ):
+        if name is not None:
+            reg.get(name)
+    check_name(cfg.model.name)
+    if k.profile:
+        Profile.load(k.profile)
+    if cfg.resume:
+        if not Path(cfg.resume).is_dir():
+            raise UserError(f"resume: {cfg.resume!r} is not a run folder.")
+        if not checkpoints(Path(cfg.resume)):
+            raise UserError(
+                f"resume: {cfg.resume!r} has no checkpoint in {CHECKPOINTS}/; start a new run without resume=."
+            )
+    if cfg.dist.backend == "horovod":
+        _check_horovod(cfg.launch.nproc)
+    if cfg.dist.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("dist.device=cuda but no CUDA device is visible; use dist.device=auto or cpu.")
+
+
+def _check_horovod(nproc: int) -> None:
+    from kfacflow.comm.horovod import INSTALL_HINT
+    from kfacflow.launch import under_mpi_launcher
+
+    if importlib.util.find_spec("horovod") is None:
+        raise UserError(f"dist.backend=horovod: Horovod is not installed; {INSTALL_HINT}.")
+    if nproc > 1 and not under_mpi_launcher():
+        raise UserError(
+            f"dist.backend=horovod starts no workers itself: run `horovodrun -np {nproc} -H localhost:{nproc} "
+            "--gloo python run.py RECIPE dist.backend=horovod` (launch.nproc is then ignored)."
+        )
+
+
+def check_out_dir(out_dir: str) -> None:
+    """Check that run folders can be created under ``out_dir``, creating nothing.
+
+    The nearest existing folder on the way to ``out_dir`` (``out_dir`` itself if it exists) must
+    be a folder this process may write to.
+
+    Raises:
+        UserError: Naming ``out_dir``.
+    """
+    path = Path(out_dir).absolute()
+    while not os.path.exists(path) and path != path.parent:
+        path = path.parent
+    if not path.is_dir():
+        raise UserError(
+            f"out_dir={out_dir!r} cannot hold run folders: {str(path)!r} is a file, not a folder; "
+            "set out_dir to a folder (it is created if missing)."
+        )
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UserError(
+            f"out_dir={out_dir!r} cannot hold run folders: {str(path)!r} is not writable; "
+            "set out_dir to a folder you can write to."
+        )
+
+
+def backend(cfg: DistConfig) -> Backend:
+    """Join the job with the engine ``dist.backend`` names."""
+    load_plugins()
+    return registry.BACKENDS.get(cfg.backend)(cfg)
+
+
+def needs_profile(names: Stages) -> bool:
+    """Whether the chosen fusion or placement plans with a performance profile."""
+    return names.preconditioned and (
+        registry.COMMUNICATORS.entry(names.fusion).needs_profile
+        or registry.PLACEMENTS.entry(names.placement).needs_profile
+    )
+
+
+def stages(cfg: KFACConfig, names: Stages, profile: Profile | None) -> StageSet:
+    """Build the stages ``names`` chooses, each from its own options."""
+    fusion = FusionOptions(
+        threshold_bytes=int(cfg.fusion_threshold_mb * 2**20),
+        profile_steps=cfg.profile_steps,
+        allreduce=profile.allreduce if profile is not None else None,
+    )
+    return StageSet(
+        factor=registry.FACTORS.get(cfg.factor)(),
+        fusion=registry.COMMUNICATORS.get(names.fusion)(fusion),
+        placement=registry.PLACEMENTS.get(names.placement),
+        invert=registry.INVERSES.get(names.inverse),
+        precondition=registry.PRECONDITIONERS.get(cfg.precondition)(cfg.kl_clip),
+    )
+
+
+def preconditioner(
+    model: nn.Module,
+    cfg: KFACConfig,
+    backend: Backend,
+    profile: Profile | None = None,
+    timer: StepTimer | None = None,
+    accumulate: int = 1,
+) -> KFACPreconditioner:
+    """Build K-FAC for ``model`` from the ``kfac`` section of a recipe (its variant must precondition)."""
+    load_plugins()
+    names = resolve(cfg)
+    return KFACPreconditioner(model, cfg, stages(cfg, names, profile), backend, profile, timer, accumulate)
+
+
+def profile(cfg: DictConfig, backend: Backend, run_dir: Path, dtype: torch.dtype) -> Profile:
+    """Load the recipe's profile (or the resumed run's), else calibrate now and save it in the run folder."""
+    path = cfg.kfac.profile or (run_dir / PROFILE if (run_dir / PROFILE).is_file() else None)
+    if path is not None:
+        loaded: Profile = backend.broadcast_object(Profile.load(path) if backend.rank == 0 else None)
+        return loaded
+    measured = calibrate(backend, registry.INVERSES.get(resolve(cfg.kfac).inverse), dtype)
+    if backend.rank == 0:
+        measured.save(run_dir / PROFILE)
+        logger.info(
+            "calibrated: all-reduce %.2e + %.2e m s, broadcast %.2e + %.2e m s, inverse %s (error %.0f%%)",
+            measured.allreduce.alpha,
+            measured.allreduce.beta,
+            measured.broadcast.alpha,
+            measured.broadcast.beta,
+            measured.inverse.kind,
+            100 * measured.inverse.error,
+        )
+    return measured
+
+
+@dataclass
+class Training:
+    """Everything the trainer runs, built from a recipe."""
+
+    model: nn.Module
+    net: nn.Module
+    kfac: KFACPreconditioner | None
+    optimizer: torch.optim.Optimizer
+    scheduler: LambdaLR
+    loader: DataLoader[Any]
+    sampler: ResumableSampler
+    val_loader: DataLoader[Any]
+    info: DataInfo
+    stages: Stages
+    dtype: torch.dtype
+    steps_per_epoch: int
+    total: int
+    resume_state: dict[str, Any] | None
+
+
+def training(cfg: DictConfig, backend: Backend, run_dir: Path, timer: StepTimer) -> Training:
+    """Build the data, model, K-FAC, optimizer, schedule and loaders of a run (every worker).
+
+    A resume is read and checked against this run before anything is calibrated or written.
+
+    Raises:
+        UserError: What only building reveals (too little data, a checkpoint that does not fit, ...).
+    """
+    load_plugins()
+    rank, world = backend.rank, backend.world_size
+    dtype = torch.float64 if cfg.train.dtype == "float64" else torch.float32
+    accumulate = cfg.train.accumulate
+    train_set, val_set, info = build_datasets(cfg.data)
+    check_shard(len(train_set), world, cfg.data.batch_size, accumulate)  # type: ignore[arg-type]
+    seed_all(cfg.train.seed)  # identical initial weights on every rank
+    model = build_model(cfg.model.name, info.num_classes, info.channels).to(backend.device, dtype)
+    names = resolve(cfg.kfac)
+    state = _read_resume(cfg, model, world, names) if cfg.resume else None
+    kfac = None
+    if names.preconditioned:
+        prof = profile(cfg, backend, run_dir, dtype) if needs_profile(names) else None
+        kfac = KFACPreconditioner(model, cfg.kfac, stages(cfg.kfac, names, prof), backend, prof, timer, accumulate)
+    net = backend.wrap_model(model)
+    optimizer = backend.wrap_optimizer(build_optimizer(model.parameters(), cfg.optim), model, accumulate)
+    loader, sampler = train_loader(train_set, cfg.data.batch_size, rank, world, cfg.train.seed, cfg.data.workers)
+    val_loader = eval_loader(val_set, cfg.data.eval_batch_size or cfg.data.batch_size, rank, world, cfg.data.workers)
+    steps_per_epoch = len(loader) // accumulate
+    total = cfg.train.steps or cfg.train.epochs * steps_per_epoch
+    if cfg.train.timeline > total:
+        raise UserError(
+            f"train.timeline={cfg.train.timeline} is after the run's last step ({total}); "
+            f"pick a step from 1 to {total} (0 turns it off)."
+        )
+    scheduler = build_scheduler(optimizer, cfg.schedule, steps_per_epoch, total)
+    seed_all(cfg.train.seed + 1 + rank)  # per-rank streams for dropout and augmentation
+    return Training(
+        model, net, kfac, optimizer, scheduler, loader, sampler, val_loader, info, names, dtype,
+        steps_per_epoch, total, state,
+    )  # fmt: skip
+
+
+def _read_resume(cfg: DictConfig, model: nn.Module, world: int, names: Stages) -> dict[str, Any]:
+    """Read the newest checkpoint of ``resume`` and check that it fits this run (every rank)."""
+    state = load_latest_checkpoint(Path(cfg.resume))
+    check_meta(state.get("meta") or {"world_size": state["world_size"]}, cfg, world, names.preconditioned)
+    check_model(state["model"], model, cfg)
+    return state

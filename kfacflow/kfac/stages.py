@@ -1,0 +1,228 @@
+"""The contracts between K-FAC's stages: a ``Protocol`` per stage, and the record of one factor.
+
+A step hands work along: the factor stage computes each layer's A and G in the hooks; the
+communicate stage's policy decides which of them are all-reduced together and when; the
+placement decides who inverts each factor; the inverse method inverts it into an
+:class:`~kfacflow.kfac.inverse.Inverse`, which is what is broadcast, checkpointed and applied;
+the precondition stage turns gradients and inverses into the update. Every registry entry of a
+stage satisfies its protocol here (mypy checks them), and :class:`FactorSlot` is the one record
+of a factor the orchestrator keeps.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
+
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from kfacflow.kfac.layers import KFACLayer
+    from kfacflow.perf import LinearModel, Profile
+
+EVERY_RANK = -1
+"""Owner value of a non-communicated tensor (NCT): every rank inverts it, nothing is sent."""
+
+
+@dataclass
+class FactorSlot:
+    """One Kronecker factor of one layer: what it is, its size, who inverts it.
+
+    Args:
+        layer: The layer.
+        side: ``"A"`` (from the layer input) or ``"G"`` (from the output gradient).
+        owner: The rank that inverts it and broadcasts the result, or :data:`EVERY_RANK`.
+        flat_size: Elements its inverse takes when broadcast.
+    """
+
+    layer: KFACLayer
+    side: Literal["A", "G"]
+    owner: int = EVERY_RANK
+    flat_size: int = 0
+
+    @property
+    def key(self) -> str:
+        """``"<layer>/A"`` or ``"<layer>/G"``: how communication, checkpoints and logs name it."""
+        return f"{self.layer.name}/{self.side}"
+
+    @property
+    def dim(self) -> int:
+        """Side of the square factor."""
+        return self.layer.a_dim if self.side == "A" else self.layer.g_dim
+
+
+class Inverse(ABC):
+    """``(F + damping I)^-1`` of one factor: what is broadcast, checkpointed and applied.
+
+    The kinds (dense, eigendecomposition) are the subclasses in :mod:`kfacflow.kfac.inverse`.
+    """
+
+    kind: ClassVar[str]
+    """Names the kind in checkpoints."""
+    kinds: ClassVar[dict[str, type[Inverse]]] = {}
+    """Every kind by its name (a subclass adds itself)."""
+
+    def __init_subclass__(cls) -> None:
+        super().__init_subclass__()
+        Inverse.kinds[cls.kind] = cls
+
+    @property
+    @abstractmethod
+    def tensors(self) -> tuple[Tensor, ...]:
+        """What a checkpoint keeps; ``Inverse.restore(kind, tensors)`` rebuilds it."""
+
+    @abstractmethod
+    def left(self, x: Tensor) -> Tensor:
+        """Return ``inverse @ x``."""
+
+    def right(self, x: Tensor) -> Tensor:
+        """Return ``x @ inverse`` (the inverse is symmetric)."""
+        return self.left(x.T).T
+
+    @abstractmethod
+    def dense(self) -> Tensor:
+        """Return the inverse as a dense matrix."""
+
+    @abstractmethod
+    def to_flat(self) -> Tensor:
+        """Return one vector to broadcast."""
+
+    @classmethod
+    @abstractmethod
+    def elements(cls, d: int) -> int:
+        """Return the length of :meth:`to_flat` for a d x d factor."""
+
+    @classmethod
+    @abstractmethod
+    def unflat(cls, flat: Tensor, d: int) -> Inverse:
+        """Rebuild one from :meth:`to_flat`'s vector."""
+
+    @staticmethod
+    def flat_size(kind: str, d: int) -> int:
+        """Return the length of the broadcast vector of a ``kind`` inverse of a d x d factor."""
+        return Inverse.kinds[kind].elements(d)
+
+    @staticmethod
+    def from_flat(kind: str, flat: Tensor, d: int) -> Inverse:
+        """Rebuild a ``kind`` inverse from its broadcast vector."""
+        return Inverse.kinds[kind].unflat(flat, d)
+
+    @staticmethod
+    def restore(kind: str, tensors: tuple[Tensor, ...] | list[Tensor]) -> Inverse:
+        """Rebuild an inverse from what :attr:`tensors` gave to a checkpoint."""
+        return Inverse.kinds[kind](*tensors)  # type: ignore[call-arg]
+
+
+class FactorStage(Protocol):
+    """Stage *factor*: a layer's A from its input and G from its output gradient (full matrices)."""
+
+    def a_factor_rows(self, module: nn.Module, x: Tensor) -> tuple[Tensor, int]:
+        """Return A and the number of rows it averages (examples, times positions where they count)."""
+        ...
+
+    def g_factor(self, module: nn.Module, grad_out: Tensor, batch: int) -> Tensor:
+        """Return G from the gradient of the output and the examples of the batch."""
+        ...
+
+
+@dataclass(frozen=True)
+class FusionOptions:
+    """What fusion policies may be told; each takes what it needs."""
+
+    threshold_bytes: int = 64 * 2**20
+    """Fusion buffer of the ``threshold`` policy (Horovod's default, 64 MiB)."""
+    profile_steps: int = 5
+    """Factor-update steps a measuring policy (``optimal``) times before it plans."""
+    allreduce: LinearModel | None = None
+    """All-reduce time model (``optimal``)."""
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A factor handed to the communicate stage and not yet all-reduced."""
+
+    key: str
+    elements: int
+    nbytes: int
+
+
+class FusionPolicy(Protocol):
+    """Stage *communicate*, its decisions only (pure: no communication, no clock).
+
+    Factors arrive one by one, A factors in the forward pass, G factors in the backward pass.
+    After each, :meth:`close_group` says whether the factors waiting so far are all-reduced now,
+    together; at the end of the forward pass, those still waiting go then if
+    :attr:`launch_after_forward`, else at the end of backward with the rest.
+    """
+
+    launch_after_forward: bool
+    measure_steps: int
+    """Factor-update steps whose ready times the policy wants (:meth:`learn`) before it plans; 0: none."""
+    plan: list[list[str]] | None
+    """The groups it decided on, if it plans ahead (for logs and tests)."""
+
+    def close_group(self, waiting: Sequence[Waiting]) -> bool:
+        """Whether the waiting factors (the newest last) are all-reduced now."""
+        ...
+
+    def learn(self, passes: Sequence[Sequence[tuple[str, float, int]]]) -> None:
+        """Take the mean ready times: per pass (forward, backward), ``(key, seconds, elements)`` in order."""
+        ...
+
+
+FusionFactory = Callable[[FusionOptions], FusionPolicy]
+
+
+class Placement(Protocol):
+    """Stage *invert*, who: the owner of every factor (a rank, or :data:`EVERY_RANK`)."""
+
+    def __call__(
+        self, dims: Sequence[int], sizes: Sequence[int], world_size: int, profile: Profile | None
+    ) -> list[int]:
+        """Return the owner of each factor, given their sides and broadcast sizes."""
+        ...
+
+
+class InverseMethod(Protocol):
+    """Stage *invert*, how: ``(factor + damping I)^-1`` as an :class:`Inverse` of type :attr:`result`."""
+
+    result: type[Inverse]
+
+    def __call__(self, factor: Tensor, damping: float) -> Inverse:
+        """Return the damped inverse of ``factor``."""
+        ...
+
+
+class PreconditionStage(Protocol):
+    """Stage *precondition*: the update of every layer from its gradient and its two inverses."""
+
+    def __call__(self, grads: list[Tensor], inverses: list[tuple[Inverse, Inverse]], lr: float) -> list[Tensor]:
+        """Return one update per layer (``(g_dim, a_dim)``), for learning rate ``lr``."""
+        ...
+
+
+PreconditionFactory = Callable[[float], PreconditionStage]
+"""Builds the precondition stage from ``kfac.kl_clip``."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A preset of stage choices (``kfac.variant``); ``preconditioned=False`` means no K-FAC at all."""
+
+    fusion: str = "after_backward"
+    placement: str = "local"
+    inverse: str = "cholesky"
+    preconditioned: bool = True
+
+
+@dataclass
+class StageSet:
+    """The built stages one preconditioner runs."""
+
+    factor: FactorStage
+    fusion: FusionPolicy
+    placement: Placement
+    invert: InverseMethod
+    precondition: PreconditionStage

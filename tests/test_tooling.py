@@ -1,0 +1,114 @@
+"""The house rules that keep kfacflow easy to change: no import cycle, leaf schema and registry, every file linted."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import ROOT
+
+PACKAGE = ROOT / "kfacflow"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Every kfacflow module and the kfacflow modules it imports anywhere (in functions, for mypy only too)."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            else:
+                continue
+            for target in targets:
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target.startswith("kfacflow") and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Return the strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_import_graph_has_no_cycle() -> None:
+    graph = import_graph()
+    assert len(graph) > 30 and "kfacflow.build" in graph["kfacflow.trainer"], "the graph was not read"
+    assert cycles(graph) == []
+
+
+def test_cycles_are_found() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_schema_and_registry_import_nothing_else_of_kfacflow() -> None:
+    code = (
+        "import sys, kfacflow.config, kfacflow.registry; "
+        "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] == 'kfacflow')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["kfacflow", "kfacflow.config", "kfacflow.registry"]
+    graph = import_graph()
+    # The package root holds only the exceptions every layer raises, and imports nothing of kfacflow.
+    assert graph["kfacflow"] == set() and graph["kfacflow.config"] == {"kfacflow"}
+    # The registry's only other imports are the stage types, for mypy (under TYPE_CHECKING).
+    assert graph["kfacflow.registry"] <= {"kfacflow", "kfacflow.comm.base", "kfacflow.kfac.stages"}
+
+
+def test_stage_contracts_hold_no_any() -> None:
+    tree = ast.parse((PACKAGE / "kfac" / "stages.py").read_text())
+    names = [n.id for n in ast.walk(tree) if isinstance(n, ast.Name)] + [
+        n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+    ]
+    assert "Any" not in names
+
+
+def test_ruff_sees_every_tracked_python_file() -> None:
+    git, ruff = shutil.which("git"), shutil.which("ruff")
+    if git is None or ruff is None or not (ROOT / ".git").exists():
+        pytest.skip("needs a git checkout and ruff")
+    tracked = subprocess.run([git, "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True)
+    seen = subprocess.run([ruff, "check", "--show-files", "."], cwd=ROOT, capture_output=True, text=True)
+    linted = {str(Path(line).resolve().relative_to(ROOT)) for line in seen.stdout.split() if line.endswith(".py")}
+    missing = sorted(set(tracked.stdout.split()) - linted)
+    assert not missing, f"ruff does not lint {missing}: list them in [tool.ruff] include"
