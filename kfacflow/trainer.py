@@ -212,9 +212,10 @@ class Trainer:
         usable = self._gradients_finite() and math.isfinite(lr)
         if self.kfac and usable:
             self.kfac.step(lr)
+            usable = self._gradients_finite()  # what is applied: the preconditioned gradients
         elif self.kfac:
             self.kfac.skip_step()  # its collectives still run: every rank drops this step's factors
-        if self._agree_to_skip(value, usable and self._gradients_finite()):
+        if self._agree_to_skip(value, usable):
             return value, 0.0, samples
         self.backend.optimizer_step(self.optimizer)
         self._next_step()

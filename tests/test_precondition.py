@@ -143,6 +143,14 @@ def test_kl_clip_scale_hand() -> None:
             assert 0 < kl_clip_scale(pairs, lr, kl) <= 1.0
 
 
+def test_kl_clip_scale_of_float32_updates_too_large_for_float32() -> None:
+    # v . g = 1e40 overflows float32; the bound must still scale the step down, not leave it alone.
+    v = torch.full((2,), 1e20, dtype=torch.float32)
+    g = torch.full((2,), 1e20, dtype=torch.float32)
+    assert float((v * g).sum()) == float("inf")
+    assert kl_clip_scale([(v, g)], 0.1, 1e-3) == pytest.approx(math.sqrt(1e-3 / (2e40 * 0.01)), rel=1e-6)
+
+
 @pytest.mark.parametrize("name", KINDS)
 def test_kfac_precondition_applies_clip(name: str) -> None:
     invert = INVERSES.get(name)

@@ -32,7 +32,8 @@ def kl_clip_scale(pairs: list[tuple[Tensor, Tensor]], lr: float, kl_clip: float)
     """
     if kl_clip <= 0 or not pairs:
         return 1.0
-    vg = sum(float((v * g).sum()) for v, g in pairs) * lr * lr
+    # In float64: v . g of float32 tensors overflows to inf long before the step is too large to clip.
+    vg = sum(float(torch.sum(v.to(torch.float64) * g.to(torch.float64))) for v, g in pairs) * lr * lr
     if vg <= 0 or not math.isfinite(vg):
         return 1.0
     return min(1.0, math.sqrt(kl_clip / vg))

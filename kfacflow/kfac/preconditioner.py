@@ -76,8 +76,11 @@ class KFACPreconditioner:
         self.inverses: dict[str, Inverse] = {}
         self._plan()
         logger.info(
-            "K-FAC on %d layers; largest factor %d; %d of %d inverses on every rank",
+            "K-FAC on %d layers (%s, %s, %s); largest factor %d; %d of %d inverses on every rank",
             len(self.layers),
+            type(stages.fusion).__name__,
+            getattr(stages.placement, "__name__", type(stages.placement).__name__),
+            type(stages.invert).__name__,
             max(slot.dim for slot in self.slots),
             sum(slot.owner == EVERY_RANK for slot in self.slots),
             len(self.slots),
@@ -174,7 +177,7 @@ class KFACPreconditioner:
                 if key not in averaged:
                     continue  # the layer did not run this step: its average stays
                 new, old = averaged[key], self.running.get(key)
-                if not bool(torch.isfinite(new).all()):
+                if not bool(torch.isfinite(new.sum())):  # a sum is non-finite when an element is
                     # Never blend a non-finite factor into the running average; start one from zero.
                     warn_once(f"factor {key} was non-finite at step {self.steps}; it was left out")
                     if old is None:
