@@ -21,7 +21,8 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader
 
-from kfacflow import UserError, registry
+from kfacflow import UserError, did_you_mean, registry
+from kfacflow.auto import methods as auto_methods
 from kfacflow.comm.base import Backend
 from kfacflow.config import DistConfig, KFACConfig
 from kfacflow.data import DataInfo, build_datasets, check_shard
@@ -51,6 +52,7 @@ PLUGINS = (
     "kfacflow.kfac.placement",
     "kfacflow.kfac.inverse",
     "kfacflow.kfac.precondition",
+    "kfacflow.kfac.overlap",
 )
 """The modules that fill the registries."""
 PROFILE = "profile.yaml"
@@ -81,12 +83,20 @@ def check(cfg: DictConfig) -> None:
         (registry.COMMUNICATORS, k.fusion),
         (registry.PLACEMENTS, k.placement),
         (registry.INVERSES, k.inverse),
+        (registry.PIPELINES, k.pipeline),
+        (registry.BROADCASTS, k.broadcast),
+        (registry.GRAD_SYNCS, k.grad_sync),
     ):
         if name is not None:
             reg.get(name)
     check_name(cfg.model.name)
     if k.profile:
-        Profile.load(k.profile)
+        for method in Profile.load(k.profile).methods:  # a misspelt method would silently use the default model
+            if method not in registry.INVERSES.names():
+                raise UserError(
+                    f"kfac.profile: {k.profile}: 'methods.{method}' is no inverse method."
+                    f"{did_you_mean(method, registry.INVERSES.names())} Known: {', '.join(registry.INVERSES.names())}."
+                )
     if cfg.resume:
         if not Path(cfg.resume).is_dir():
             raise UserError(f"resume: {cfg.resume!r} is not a run folder.")
@@ -96,6 +106,12 @@ def check(cfg: DictConfig) -> None:
             )
     if cfg.dist.backend == "horovod":
         _check_horovod(cfg.launch.nproc)
+        names = resolve(k)
+        if names.preconditioned and registry.GRAD_SYNCS.get(names.grad_sync).deferred:
+            raise UserError(
+                f"kfac.grad_sync=deferred (kfac.variant={k.variant}) needs dist.backend=torch: Horovod's optimizer "
+                "averages gradients in the backward pass; set kfac.grad_sync=overlap."
+            )
     if cfg.dist.device == "cuda" and not torch.cuda.is_available():
         raise UserError("dist.device=cuda but no CUDA device is visible; use dist.device=auto or cpu.")
 
@@ -144,9 +160,10 @@ def backend(cfg: DistConfig) -> Backend:
 
 
 def needs_profile(names: Stages) -> bool:
-    """Whether the chosen fusion or placement plans with a performance profile."""
+    """Whether the chosen fusion or placement plans with a performance profile (``auto`` simulates with one)."""
     return names.preconditioned and (
-        registry.COMMUNICATORS.entry(names.fusion).needs_profile
+        names.choose
+        or registry.COMMUNICATORS.entry(names.fusion).needs_profile
         or registry.PLACEMENTS.entry(names.placement).needs_profile
     )
 
@@ -164,6 +181,8 @@ def stages(cfg: KFACConfig, names: Stages, profile: Profile | None) -> StageSet:
         placement=registry.PLACEMENTS.get(names.placement),
         invert=registry.INVERSES.get(names.inverse),
         precondition=registry.PRECONDITIONERS.get(cfg.precondition)(cfg.kl_clip),
+        pipeline=registry.PIPELINES.get(names.pipeline),
+        broadcast=registry.BROADCASTS.get(names.broadcast),
     )
 
 
@@ -178,7 +197,8 @@ def preconditioner(
     """Build K-FAC for ``model`` from the ``kfac`` section of a recipe (its variant must precondition)."""
     load_plugins()
     names = resolve(cfg)
-    return KFACPreconditioner(model, cfg, stages(cfg, names, profile), backend, profile, timer, accumulate)
+    planning = profile.for_method(names.inverse) if profile is not None else None
+    return KFACPreconditioner(model, cfg, stages(cfg, names, profile), backend, planning, timer, accumulate)
 
 
 def profile(cfg: DictConfig, backend: Backend, run_dir: Path, dtype: torch.dtype) -> Profile:
@@ -187,7 +207,16 @@ def profile(cfg: DictConfig, backend: Backend, run_dir: Path, dtype: torch.dtype
     if path is not None:
         loaded: Profile = backend.broadcast_object(Profile.load(path) if backend.rank == 0 else None)
         return loaded
-    measured = calibrate(backend, registry.INVERSES.get(resolve(cfg.kfac).inverse), dtype)
+    names = resolve(cfg.kfac)
+    # auto simulates every preset, each with its own inverse method's costs
+    others = sorted(auto_methods(cfg) - {names.inverse}) if names.choose else []
+    measured = calibrate(
+        backend,
+        registry.INVERSES.get(names.inverse),
+        dtype,
+        methods={name: registry.INVERSES.get(name) for name in [names.inverse, *others]},
+    )
+    measured.meta["inverse_method"] = names.inverse
     if backend.rank == 0:
         measured.save(run_dir / PROFILE)
         logger.info(
@@ -220,6 +249,8 @@ class Training:
     steps_per_epoch: int
     total: int
     resume_state: dict[str, Any] | None
+    deferred_gradients: bool = False
+    """Gradients are all-reduced behind the factors, not by DDP in the backward pass."""
 
 
 def training(cfg: DictConfig, backend: Backend, run_dir: Path, timer: StepTimer) -> Training:
@@ -243,7 +274,8 @@ def training(cfg: DictConfig, backend: Backend, run_dir: Path, timer: StepTimer)
     kfac = None
     if names.preconditioned:
         prof = profile(cfg, backend, run_dir, dtype) if needs_profile(names) else None
-        kfac = KFACPreconditioner(model, cfg.kfac, stages(cfg.kfac, names, prof), backend, prof, timer, accumulate)
+        planning = prof.for_method(names.inverse) if prof is not None else None
+        kfac = KFACPreconditioner(model, cfg.kfac, stages(cfg.kfac, names, prof), backend, planning, timer, accumulate)
     net = backend.wrap_model(model)
     optimizer = backend.wrap_optimizer(build_optimizer(model.parameters(), cfg.optim), model, accumulate)
     loader, sampler = train_loader(train_set, cfg.data.batch_size, rank, world, cfg.train.seed, cfg.data.workers)
@@ -257,9 +289,10 @@ def training(cfg: DictConfig, backend: Backend, run_dir: Path, timer: StepTimer)
         )
     scheduler = build_scheduler(optimizer, cfg.schedule, steps_per_epoch, total)
     seed_all(cfg.train.seed + 1 + rank)  # per-rank streams for dropout and augmentation
+    deferred = kfac is not None and registry.GRAD_SYNCS.get(names.grad_sync).deferred and world > 1
     return Training(
         model, net, kfac, optimizer, scheduler, loader, sampler, val_loader, info, names, dtype,
-        steps_per_epoch, total, state,
+        steps_per_epoch, total, state, deferred,
     )  # fmt: skip
 
 

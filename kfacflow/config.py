@@ -198,7 +198,7 @@ class KFACConfig:
     """K-FAC: the variant preset and the four stage choices it fills, and hyperparameters."""
 
     variant: str = "d"
-    """A preset (`--list variant`): ``spd``, ``mpd``, ``d`` or ``sgd`` (no preconditioner)."""
+    """A preset (`--list variant`): ``spd``, ``mpd``, ``d``, ``flow`` or ``sgd`` (no preconditioner)."""
     factor: str = "expand"
     """How Conv2d factors treat spatial positions (`--list factor`)."""
     fusion: Optional[str] = None
@@ -207,6 +207,13 @@ class KFACConfig:
     """Which rank inverts which factor (`--list placement`); empty takes the variant's."""
     inverse: Optional[str] = None
     """How a damped factor is inverted (`--list inverse`); empty takes the variant's."""
+    pipeline: Optional[str] = None
+    """When inversion and preconditioning start (`--list pipeline`); empty takes the variant's."""
+    broadcast: Optional[str] = None
+    """How a broadcast inverse is held on its owner (`--list broadcast`); empty takes the variant's."""
+    grad_sync: Optional[str] = None
+    """When gradients are all-reduced (`--list grad_sync`): in backward, or behind the inversions; empty takes
+    the variant's."""
     precondition: str = "kfac"
     """How gradients are preconditioned (`--list precondition`)."""
     damping: float = field(default=0.001, metadata=above(0, "Tikhonov damping keeps factors invertible"))

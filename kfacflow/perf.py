@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -64,6 +64,14 @@ class Profile:
     inverse: InverseModel
     meta: dict[str, Any] = field(default_factory=dict)
     samples: dict[str, list[list[float]]] = field(default_factory=dict)
+    methods: dict[str, InverseModel] = field(default_factory=dict)
+    """Inverse models by ``kfac.inverse`` method, where they were measured (their costs differ up to 3x)."""
+
+    def for_method(self, method: str) -> Profile:
+        """This profile with ``inverse`` the model of ``method`` (the default model if it was not measured)."""
+        if method not in self.methods:
+            return self
+        return replace(self, inverse=self.methods[method])
 
     def save(self, path: str | Path) -> None:
         """Write the profile as YAML."""
@@ -88,7 +96,7 @@ class Profile:
         raw = read_yaml(path, where, "the YAML file tools/fit_perf_models.py writes")
         if not isinstance(raw, dict):
             raise UserError(f"{where} must be a mapping, not {type(raw).__name__}; {_NEEDS}.")
-        _no_unknown_keys(raw, (*_SECTIONS, "meta", "samples"), where, "")
+        _no_unknown_keys(raw, (*_SECTIONS, "meta", "samples", "methods"), where, "")
         sections = {}
         for name, keys in _SECTIONS.items():
             section = raw.get(name)
@@ -105,21 +113,16 @@ class Profile:
             )
             for name in ("allreduce", "broadcast")
         )
-        inv = sections["inverse"]
-        kind = inv.get("kind")
-        if kind is None:
-            raise UserError(f"{where}: 'inverse.kind' is missing; {_NEEDS}.")
-        if kind not in ("exp", "cubic"):
-            raise UserError(
-                f"{where}: inverse.kind={kind!r} must be 'exp' (alpha * exp(beta * d)) or 'cubic' (alpha + beta * d^3)."
-            )
-        exp = kind == "exp"
-        inverse = InverseModel(
-            kind=kind,
-            alpha=_field(inv, "inverse", "alpha", where, "seconds", low=0.0 if exp else None, low_open=exp),
-            beta=_field(inv, "inverse", "beta", where, "per d" if exp else "seconds per d^3", low=None),
-            error=_field(inv, "inverse", "error", where, "relative error of the fit", 0.0),
-        )
+        inverse = _inverse_model(sections["inverse"], "inverse", where)
+        methods = raw.get("methods") or {}
+        if not isinstance(methods, dict):
+            raise UserError(f"{where}: 'methods' must map kfac.inverse methods to models {{kind, alpha, beta}}.")
+        models = {}
+        for method, section in methods.items():
+            if not isinstance(section, dict):
+                raise UserError(f"{where}: 'methods.{method}' must be an inverse model {{kind, alpha, beta}}.")
+            _no_unknown_keys(section, _SECTIONS["inverse"], where, f"methods.{method}.")
+            models[str(method)] = _inverse_model(section, f"methods.{method}", where)
         extra = {}
         for name in ("meta", "samples"):
             value = raw.get(name) or {}
@@ -129,7 +132,7 @@ class Profile:
                 want = "a mapping" if name == "meta" else "a mapping of lists of [size, seconds]"
                 raise UserError(f"{where}: '{name}' must be {want}; write the profile with tools/fit_perf_models.py.")
             extra[name] = dict(value)
-        return Profile(allreduce, broadcast, inverse, meta=extra["meta"], samples=extra["samples"])
+        return Profile(allreduce, broadcast, inverse, meta=extra["meta"], samples=extra["samples"], methods=models)
 
 
 _SECTIONS = {
@@ -138,6 +141,23 @@ _SECTIONS = {
     "inverse": ("kind", "alpha", "beta", "error"),
 }
 _NEEDS = "a profile needs allreduce/broadcast {alpha, beta} and inverse {kind, alpha, beta}"
+
+
+def _inverse_model(section: dict[str, Any], name: str, where: str) -> InverseModel:
+    kind = section.get("kind")
+    if kind is None:
+        raise UserError(f"{where}: '{name}.kind' is missing; {_NEEDS}.")
+    if kind not in ("exp", "cubic"):
+        raise UserError(
+            f"{where}: {name}.kind={kind!r} must be 'exp' (alpha * exp(beta * d)) or 'cubic' (alpha + beta * d^3)."
+        )
+    exp = kind == "exp"
+    return InverseModel(
+        kind=kind,
+        alpha=_field(section, name, "alpha", where, "seconds", low=0.0 if exp else None, low_open=exp),
+        beta=_field(section, name, "beta", where, "per d" if exp else "seconds per d^3", low=None),
+        error=_field(section, name, "error", where, "relative error of the fit", 0.0),
+    )
 
 
 def _no_unknown_keys(mapping: dict[Any, Any], allowed: tuple[str, ...], where: str, prefix: str) -> None:
@@ -202,14 +222,35 @@ def fit_linear(sizes: list[float], seconds: list[float]) -> LinearModel:
 
 
 def fit_inverse(dims: list[float], seconds: list[float]) -> InverseModel:
-    """Fit both the exponential and the cubic model and return the one with the smaller error."""
-    d, t = np.asarray(dims, float), np.asarray(seconds, float)
+    """Fit the exponential and the cubic model; return the exponential only where it is clearly better.
+
+    Placement decides about the largest factors, beyond the calibrated sides (ResNet's 4608 from
+    calibration up to 2048), and an exponential extrapolates wildly: it must fit with half the
+    cubic's error and predict the largest side from the others better than the cubic does (every
+    method here is O(d^3) in the end). Choosing by the error of the whole fit alone let a few
+    milliseconds of noise on the smallest sides (a shared CPU, the other rank's traffic) pick an
+    exponential that predicted 32 s for an inversion that takes 0.9 s at d = 4096.
+    """
+    order = np.argsort(np.asarray(dims, float))
+    d, t = np.asarray(dims, float)[order], np.asarray(seconds, float)[order]
+    exp, cubic = _fit_exp(d, t), _fit_cubic(d, t)
+    if len(d) < 4:
+        return exp if exp.error < cubic.error else cubic
+    exp_out, cubic_out = _fit_exp(d[:-1], t[:-1]), _fit_cubic(d[:-1], t[:-1])
+    extrapolates = abs(exp_out(d[-1]) / t[-1] - 1) < abs(cubic_out(d[-1]) / t[-1] - 1)
+    return exp if extrapolates and exp.error < cubic.error / 2 else cubic
+
+
+def _fit_exp(d: np.ndarray, t: np.ndarray) -> InverseModel:
     slope, intercept = np.polyfit(d, np.log(t), 1)
     exp = InverseModel("exp", float(math.exp(intercept)), float(slope))
     exp.error = _rel_rms(exp.alpha * np.exp(exp.beta * d), t)
+    return exp
+
+
+def _fit_cubic(d: np.ndarray, t: np.ndarray) -> InverseModel:
     lin = fit_linear(list(d**3), list(t))
-    cubic = InverseModel("cubic", lin.alpha, lin.beta, _rel_rms(lin.alpha + lin.beta * d**3, t))
-    return exp if exp.error < cubic.error else cubic
+    return InverseModel("cubic", lin.alpha, lin.beta, _rel_rms(lin.alpha + lin.beta * d**3, t))
 
 
 def _time(fn: Callable[[], Any], repeat: int, device: torch.device, sync: Callable[[], None]) -> float:
@@ -240,6 +281,7 @@ def measure(
     inverse: Callable[[torch.Tensor, float], Any],
     dtype: torch.dtype,
     repeat: int = 3,
+    methods: Mapping[str, Callable[[torch.Tensor, float], Any]] | None = None,
 ) -> dict[str, list[list[float]]]:
     """Measure all-reduce and broadcast of packed ``d x d`` factors and inverses of packed ``d x d`` factors.
 
@@ -247,12 +289,14 @@ def measure(
     runs, maximised over ranks (a collective ends when its slowest rank does).
 
     Returns:
-        ``{"allreduce": [[elements, seconds], ...], "broadcast": ..., "inverse": [[d, seconds], ...]}``.
+        ``{"allreduce": [[elements, seconds], ...], "broadcast": ..., "inverse": [[d, seconds], ...]}``,
+        and ``"inverse:<name>"`` for each of ``methods``.
     """
     from kfacflow.kfac.packing import pack, unpack  # kfacflow.kfac imports this module
 
     device = backend.device
-    out: dict[str, list[list[float]]] = {"allreduce": [], "broadcast": [], "inverse": []}
+    timed = {"inverse": inverse, **{f"inverse:{name}": method for name, method in (methods or {}).items()}}
+    out: dict[str, list[list[float]]] = {"allreduce": [], "broadcast": [], **{key: [] for key in timed}}
     gen = torch.Generator().manual_seed(0)
     for d in dims:
         m = d * (d + 1) // 2
@@ -262,10 +306,13 @@ def measure(
         x = torch.randn(d, d, generator=gen, dtype=dtype).to(device)
         # As the preconditioner does: running averages stay packed and a factor is unpacked to invert it.
         packed = pack(x @ x.T / d)
-        inv = _time(lambda: inverse(unpack(packed, d), 1e-3), repeat, device, backend.barrier)  # noqa: B023
         out["allreduce"].append([m, ar])
         out["broadcast"].append([m, bc])
-        out["inverse"].append([d, inv])
+        seconds: dict[int, float] = {}  # the default method is usually one of ``methods`` too: time it once
+        for key, method in timed.items():
+            if id(method) not in seconds:
+                seconds[id(method)] = _time(lambda: method(unpack(packed, d), 1e-3), repeat, device, backend.barrier)  # noqa: B023
+            out[key].append([d, seconds[id(method)]])
     for key in out:
         times = torch.tensor([s for _, s in out[key]], dtype=torch.float64)
         gathered = backend.gather_objects(times.tolist())
@@ -286,6 +333,7 @@ def fit(samples: dict[str, list[list[float]]], meta: dict[str, Any]) -> Profile:
         inverse=fit_inverse(*cols("inverse")),
         meta=meta,
         samples=samples,
+        methods={key.split(":", 1)[1]: fit_inverse(*cols(key)) for key in samples if key.startswith("inverse:")},
     )
 
 
@@ -299,9 +347,13 @@ def calibrate(
     dtype: torch.dtype,
     dims: list[int] | None = None,
     repeat: int = 3,
+    methods: Mapping[str, Callable[[torch.Tensor, float], Any]] | None = None,
 ) -> Profile:
-    """Measure and fit on the running job (collective); the same code as ``tools/fit_perf_models.py``."""
-    samples = measure(backend, dims or QUICK_DIMS, inverse, dtype, repeat)
+    """Measure and fit on the running job (collective); the same code as ``tools/fit_perf_models.py``.
+
+    ``inverse`` gives the profile's default inverse model; each of ``methods`` one of its own.
+    """
+    samples = measure(backend, dims or QUICK_DIMS, inverse, dtype, repeat, methods)
     meta = {
         "world_size": backend.world_size,
         "device": str(backend.device),

@@ -17,7 +17,17 @@ if TYPE_CHECKING:
     from torch.utils.data import Dataset
 
     from kfacflow.comm.base import Backend
-    from kfacflow.kfac.stages import FactorStage, FusionFactory, InverseMethod, Placement, PreconditionFactory, Variant
+    from kfacflow.kfac.stages import (
+        Broadcast,
+        FactorStage,
+        FusionFactory,
+        GradSync,
+        InverseMethod,
+        Pipeline,
+        Placement,
+        PreconditionFactory,
+        Variant,
+    )
 
 T = TypeVar("T")
 
@@ -120,6 +130,9 @@ COMMUNICATORS: Registry[FusionFactory] = Registry("fusion", "kfac.fusion")
 PLACEMENTS: Registry[Placement] = Registry("placement", "kfac.placement")
 INVERSES: Registry[InverseMethod] = Registry("inverse", "kfac.inverse")
 PRECONDITIONERS: Registry[PreconditionFactory] = Registry("precondition", "kfac.precondition")
+PIPELINES: Registry[Pipeline] = Registry("pipeline", "kfac.pipeline")
+BROADCASTS: Registry[Broadcast] = Registry("broadcast", "kfac.broadcast")
+GRAD_SYNCS: Registry[GradSync] = Registry("grad_sync", "kfac.grad_sync")
 
 ALL: dict[str, Registry[Any]] = {
     r.kind: r
@@ -135,5 +148,8 @@ ALL: dict[str, Registry[Any]] = {
         PLACEMENTS,
         INVERSES,
         PRECONDITIONERS,
+        PIPELINES,
+        BROADCASTS,
+        GRAD_SYNCS,
     )
 }

@@ -91,14 +91,16 @@ class RunLog:
         self.writer.add_scalar("val/acc", record["val_acc"], record["step"])
         logger.info("epoch %g: val_loss %.4f val_acc %.4f", record["epoch"], record["val_loss"], record["val_acc"])
 
-    def timeline(self, events: list[Any], layers: list[Any], parts: dict[str, float], step: int, world: int) -> None:
+    def timeline(
+        self, events: list[Any], layers: list[Any], parts: dict[str, float], step: int, world: int, inverse: str
+    ) -> None:
         """Write the traced step: layers.json, the Chrome trace and its picture (also to TensorBoard)."""
         if not self.on:
             return
         from kfacflow.timeline import layer_profile, write_timeline
 
         cfg = self.cfg
-        profile = layer_profile(events, layers, parts, world, cfg.data.batch_size)
+        profile = layer_profile(events, layers, parts, world, cfg.data.batch_size, inverse)
         profile = {"model": cfg.model.name, "image_size": cfg.data.image_size, **profile}
         rundir.write_atomic(self.run_dir / "layers.json", json.dumps(profile, indent=1).encode())
         figure = write_timeline(events, self.run_dir, f"{cfg.name}: step {step} ({cfg.kfac.variant})")
@@ -126,6 +128,7 @@ class RunLog:
             "epochs": trainer.step / trainer.steps_per_epoch,
             "world_size": trainer.world,
             "variant": self.cfg.kfac.variant,
+            "variant_used": trainer.variant,
             "stages": vars(trainer.stages),
             "seconds": seconds,
             "step_time_median_s": statistics.median(times) if times else None,

@@ -12,6 +12,7 @@ from kfacflow.timing import LANES, chrome_trace
 ROWS = tuple(lane for lane in LANES if lane != "compute")
 """Lanes the picture draws; the forward and backward passes (``compute``) go on their own rows."""
 COLORS = {
+    "precondition": "C7",
     "forward": "C0",
     "backward": "C1",
     "factor": "C2",
@@ -58,6 +59,7 @@ def layer_profile(
     parts: dict[str, float],
     world_size: int,
     batch: int,
+    method: str | None = None,
 ) -> dict[str, Any]:
     """Per-layer times of one traced step (rank 0's compute, every rank's inverses), for ``tools/simulate.py``.
 
@@ -66,6 +68,7 @@ def layer_profile(
     An inverse time is the one measured on whichever rank inverted that factor; ``t_pack`` (the
     owner packing a communicated inverse for its broadcast) and ``t_unpack`` (a rank unpacking
     the broadcast copy) are the slowest rank's, and absent for factors every rank inverted.
+    ``method`` names the inverse method that was timed (the simulator rescales to another).
     """
 
     def spans(events: list[dict[str, Any]], lane: str) -> dict[str, float]:
@@ -73,6 +76,7 @@ def layer_profile(
 
     mine = events_by_rank[0]
     forward, factor, compute = spans(mine, "forward"), spans(mine, "factor"), spans(mine, "compute")
+    precondition = spans(mine, "precondition")
     inverse: dict[str, float] = {}
     pack: dict[str, float] = {}
     for events in events_by_rank:
@@ -101,11 +105,13 @@ def layer_profile(
                 "t_pack_g": pack.get(f"{layer.name}/G"),
                 "t_unpack_a": pack.get(f"{layer.name}/A unpack"),
                 "t_unpack_g": pack.get(f"{layer.name}/G unpack"),
+                "t_precondition": precondition.get(layer.name),
             }
         )
     return {
         "world_size": world_size,
         "batch_size": batch,
+        **({"inverse": method} if method else {}),
         "t_forward_total": compute.get("forward", 0.0),
         "t_backward_total": backward,
         "breakdown": parts,

@@ -2,7 +2,11 @@
 
 Categories follow the paper (Fig. 9): ``FF&BP`` (forward and backward compute), ``GradComm``
 (gradient all-reduce), ``FactorComp``, ``FactorComm``, ``InverseComp``, ``InverseComm``, plus
-``Other`` (data, preconditioning, optimizer) so that the parts add up to the step time.
+``Other`` (preconditioning, optimizer, the step's checks) and ``Between`` (from the end of the
+previous step to the start of this one: the next batch, logging). A step's time is the wall
+interval from the end of the previous step to its own end, so consecutive steps tile the run and
+every second is in some part; only evaluations, checkpoints and a traced step's files, which are
+not steps, are left out (:meth:`StepTimer.outside`).
 Communication is the time the step *waits* for it (launch overhead plus blocking waits), not
 the time the transfer takes: an all-reduce hidden behind computation costs nothing here.
 ``GradComm`` is the tail of DDP's bucketed all-reduce: from the last bucket's launch to the end
@@ -23,8 +27,8 @@ from typing import Any
 
 import torch
 
-CATEGORIES = ("FF&BP", "GradComm", "FactorComp", "FactorComm", "InverseComp", "InverseComm", "Other")
-LANES = ("forward", "backward", "compute", "factor", "allreduce", "inverse", "pack", "broadcast")
+CATEGORIES = ("FF&BP", "GradComm", "FactorComp", "FactorComm", "InverseComp", "InverseComm", "Other", "Between")
+LANES = ("forward", "backward", "compute", "factor", "allreduce", "inverse", "pack", "broadcast", "precondition")
 """Where traced events go, in display order."""
 
 
@@ -44,6 +48,8 @@ class StepTimer:
         self.origin = time.perf_counter()
         self._compute = 0.0
         self._last_pass = (0.0, 0.0)
+        self._last_end: float | None = None
+        self._outside = 0.0
 
     def now(self) -> float:
         """Return the current time in seconds (after the device finished its queued work)."""
@@ -58,6 +64,18 @@ class StepTimer:
         self.events = []
         self._compute, self._last_pass = 0.0, (0.0, 0.0)
         self.origin = self.now()
+        if self._last_end is not None:
+            self.parts["Between"] = max(0.0, self.origin - self._last_end - self._outside)
+        self._outside = 0.0
+
+    @contextmanager
+    def outside(self) -> Iterator[None]:
+        """Leave the ``with`` body out of every step (evaluation, checkpoints: not part of a step)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._outside += time.perf_counter() - t0
 
     @contextmanager
     def compute(self, name: str) -> Iterator[None]:
@@ -105,11 +123,14 @@ class StepTimer:
         """Close the step; return the breakdown with ``Other`` = ``total`` minus the named parts.
 
         Args:
-            total: The step's seconds; by default, since :meth:`begin_step`.
+            total: The step's seconds; by default since the end of the previous step (less the time
+                spent :meth:`outside` steps), or since :meth:`begin_step` for the first.
             grad_launch: When the last gradient all-reduce was launched. If that was during the
                 last pass, the rest of that pass waited for it: GradComm, not FF&BP.
         """
-        total = self.now() - self.origin if total is None else total
+        end = self.now()
+        self._last_end = end
+        total = end - self.origin + self.parts["Between"] if total is None else total
         t0, t1 = self._last_pass
         tail = t1 - grad_launch if grad_launch > t0 else 0.0
         self.parts["GradComm"] += tail

@@ -19,13 +19,15 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import Tensor
 
-from kfacflow import StorageError, TrainingError, UserError, build, rundir
+from kfacflow import StorageError, TrainingError, UserError, auto, build, registry, rundir
 from kfacflow.build import Training
-from kfacflow.comm.base import Backend
+from kfacflow.comm.base import Backend, GradientAllreduce
 from kfacflow.consistency import all_finite, check_replicas
+from kfacflow.kfac.variants import resolve
 from kfacflow.resume import checkpoint_meta
 from kfacflow.runlog import RunLog
 from kfacflow.seeding import rng_state, set_rng_state
+from kfacflow.timeline import layer_profile
 from kfacflow.timing import StepTimer
 
 logger = logging.getLogger(__name__)
@@ -52,6 +54,9 @@ class Trainer:
         self.optimizer, self.scheduler = built.optimizer, built.scheduler
         self.loader, self.sampler, self.val_loader = built.loader, built.sampler, built.val_loader
         self.stages, self.steps_per_epoch, self.total = built.stages, built.steps_per_epoch, built.total
+        self.deferred = built.deferred_gradients
+        self.variant = cfg.kfac.variant
+        """The variant in force (``auto`` becomes the preset it chose)."""
         self.image = f"{built.info.channels}x{built.info.image_size}x{built.info.image_size}"
         self.report = RunLog(cfg, run_dir, self.rank)
         self.step = 0
@@ -69,6 +74,8 @@ class Trainer:
         if built.resume_state is not None:
             self.load_state_dict(built.resume_state)
             self._saved = (self.step, len(self.history))
+        self._began = self.step
+        """The step this process started from: ``kfac.variant=auto`` chooses on its own second step."""
 
     @classmethod
     def from_recipe(cls, cfg: DictConfig, backend: Backend, run_dir: Path) -> Trainer:
@@ -119,6 +126,10 @@ class Trainer:
             TrainingError: If the parameters are non-finite (nothing is written).
             StorageError: On every rank, if rank 0 could not write it (the previous ones stay).
         """
+        with self.timer.outside():
+            self._checkpoint()
+
+    def _checkpoint(self) -> None:
         self.repaired += check_replicas(self.model, self.optimizer, self.backend, self.step)
         state = self.state_dict()
         error: StorageError | None = None
@@ -146,12 +157,13 @@ class Trainer:
             epoch, offset = divmod(self.step, self.steps_per_epoch)
             self.sampler.set_epoch(epoch)
             self.sampler.skip = offset * self.cfg.data.batch_size * self.accumulate
-            sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, samples (since last log)
-            epoch_loss = (0.0, 0)
+            # Loss sum, correct, samples over every rank (since the last log, and this epoch).
+            sums = torch.zeros(3, dtype=torch.float64)
+            epoch_sums = torch.zeros(3, dtype=torch.float64)
             for batches in self._steps():
-                loss, correct, n = self._train_step(batches)
-                sums += torch.tensor([loss * n, correct, n], dtype=torch.float64)
-                epoch_loss = (epoch_loss[0] + loss * n, epoch_loss[1] + n)
+                loss, totals = self._train_step(batches)
+                sums += totals
+                epoch_sums += totals
                 self.report.advance(loss, epoch + 1)
                 if self.step % self.cfg.train.log_every == 0 or self.step == self.total:
                     self._log_train(sums)
@@ -160,6 +172,7 @@ class Trainer:
                     self.checkpoint()
                 if self.step >= self.total or self.step % self.steps_per_epoch == 0 or self.stopped_by:
                     break
+            epoch_loss = (float(epoch_sums[0]), int(epoch_sums[2]))
             if self.stopped_by:
                 break
             done_epoch = self.step % self.steps_per_epoch == 0
@@ -174,8 +187,7 @@ class Trainer:
             self.checkpoint()
         else:
             self.repaired += check_replicas(self.model, self.optimizer, self.backend, self.step)
-        totals = self.backend.allreduce_sum(torch.tensor(epoch_loss, dtype=torch.float64))
-        train_loss = float(totals[0]) / float(totals[1]) if totals[1] > 0 else None
+        train_loss = epoch_loss[0] / epoch_loss[1] if epoch_loss[1] > 0 else None
         summary = self.report.summary(self, train_loss, time.perf_counter() - start)
         self.report.close()
         return summary
@@ -186,17 +198,22 @@ class Trainer:
         while len(group := list(islice(batches, self.accumulate))) == self.accumulate:
             yield group
 
-    def _train_step(self, batches: list[tuple[Tensor, Tensor]]) -> tuple[float, float, int]:
-        """One optimizer step over ``batches`` (micro-batches); return the mean loss, correct and samples."""
-        self.timer.begin_step(trace=self.step + 1 == self.cfg.train.timeline)
+    def _train_step(self, batches: list[tuple[Tensor, Tensor]]) -> tuple[float, Tensor]:
+        """One optimizer step over ``batches`` (micro-batches).
+
+        Returns:
+            This rank's mean loss, and the loss sum, correct count and samples over every rank.
+        """
+        choosing = self.stages.choose and self.step + 1 - self._began == auto.TRACED_STEP
+        self.timer.begin_step(trace=self.step + 1 == self.cfg.train.timeline or choosing)
         self.net.train()
         # BatchNorm statistics move in the forward pass: a skipped step puts them back.
         self._buffers = [b.detach().clone() for b in self.model.buffers()]
         loss_sum, correct, samples = 0.0, 0.0, 0
         for i, (x, y) in enumerate(batches):
             x, y = x.to(self.device, self.dtype, non_blocking=True), y.to(self.device, non_blocking=True)
-            # Gradients are averaged over ranks once, in the step's last backward pass.
-            with self.backend.no_sync(self.net) if i < len(batches) - 1 else nullcontext():
+            # Gradients are averaged over ranks once: in the step's last backward pass, or after it (deferred).
+            with self.backend.no_sync(self.net) if self.deferred or i < len(batches) - 1 else nullcontext():
                 with self.timer.compute("forward"):
                     out = self._forward(x)
                 loss = F.cross_entropy(out, y)
@@ -208,22 +225,27 @@ class Trainer:
         with self.timer.span("GradComm"):
             self.backend.finish_gradients(self.optimizer)
         value, lr = loss_sum / samples, self.optimizer.param_groups[0]["lr"]
-        # Averaged gradients are the same on every rank: every rank makes the same choice here.
-        usable = self._gradients_finite() and math.isfinite(lr)
+        gradients = GradientAllreduce(self.backend, list(self.model.parameters())) if self.deferred else None
+        # Averaged gradients are the same on every rank: every rank makes the same choice here (deferred
+        # gradients are not averaged yet; their preconditioned form is checked below).
+        usable = (self.deferred or self._gradients_finite()) and math.isfinite(lr)
         if self.kfac and usable:
-            self.kfac.step(lr)
+            self.kfac.step(lr, gradients)
             usable = self._gradients_finite()  # what is applied: the preconditioned gradients
         elif self.kfac:
-            self.kfac.skip_step()  # its collectives still run: every rank drops this step's factors
-        if self._agree_to_skip(value, usable):
-            return value, 0.0, samples
+            self.kfac.skip_step(gradients)  # its collectives still run: every rank drops this step's factors
+        skip, totals = self._agree_to_skip(value, usable, torch.tensor([loss_sum, correct, samples]))
+        if skip:
+            self.timer.end_step()  # a skipped step is not timed, and its time is no other step's
+            return value, totals
         self.backend.optimizer_step(self.optimizer)
         self._next_step()
         parts = self.timer.end_step(grad_launch=self.backend.last_grad_launch)
         self.report.step_timed(parts)
         if self.timer.tracing:
-            self._write_timeline(parts)
-        return value, correct, samples
+            with self.timer.outside():
+                self._traced(parts, write=self.step == self.cfg.train.timeline, choose=choosing)
+        return value, totals
 
     def _forward(self, x: Tensor) -> Tensor:
         """Run the model; on the first step an error from inside torch is about the data's shape."""
@@ -254,20 +276,26 @@ class Trainer:
             self.scheduler.step()
         self.step += 1
 
-    def _agree_to_skip(self, loss: float, finite_update: bool) -> bool:
+    def _agree_to_skip(self, loss: float, finite_update: bool, stats: Tensor) -> tuple[bool, Tensor]:
         """Agree with every rank whether to skip this step (non-finite loss or update) and whether to stop.
 
-        One small all-reduce a step: a skipped step updates nothing on any rank, so ranks never
-        diverge. Too many skips in a row end training with a clear message, and so does a skip
-        whose cause is already in the parameters (an earlier update overflowed).
+        One small all-reduce a step, which also sums ``stats`` (the metrics to log) over ranks: a
+        skipped step updates nothing on any rank, so ranks never diverge. Too many skips in a
+        row end training with a clear message, and so does a skip whose cause is already in the
+        parameters (an earlier update overflowed).
+
+        Returns:
+            Whether the step is skipped, and ``stats`` summed over ranks.
         """
         bad = not math.isfinite(loss) or not finite_update
-        flags = self.backend.allreduce_sum(torch.tensor([float(bad), float(self.stop_requested)]))
+        flags = torch.cat([torch.tensor([float(bad), float(self.stop_requested)]), stats.double()])
+        flags = self.backend.allreduce_sum(flags.to(torch.float64))
+        totals = flags[2:]
         if flags[1] > 0:
             self.stopped_by = self.stop_requested or signal.SIGTERM
         if flags[0] == 0:
             self.nonfinite_in_row = 0
-            return False
+            return False, totals
         self.nonfinite_in_row += 1
         self.skipped_steps += 1
         with torch.no_grad():
@@ -286,15 +314,33 @@ class Trainer:
                 f"the loss, gradients or update were non-finite in {self.nonfinite_in_row} steps in a row (up to "
                 f"step {self.step}); {hint} (train.max_nonfinite sets the limit)."
             )
-        return True
+        return True, totals
 
-    def _write_timeline(self, parts: dict[str, float]) -> None:
-        """Gather the traced step's events from every rank for rank 0's reporter."""
+    def _traced(self, parts: dict[str, float], write: bool, choose: bool) -> None:
+        """Gather the traced step's events from every rank: for rank 0's run log, and for ``kfac.variant=auto``."""
         events = self.backend.gather_objects(self.timer.events)
-        self.report.timeline(events, self.kfac.layers if self.kfac else [], parts, self.step, self.world)
+        layers = self.kfac.layers if self.kfac else []
+        if write:
+            self.report.timeline(events, layers, parts, self.step, self.world, self.stages.inverse)
+        if choose and self.kfac is not None and self.kfac.profile is not None:
+            name = None
+            if self.rank == 0:
+                batch = self.cfg.data.batch_size
+                profile = layer_profile(events, layers, parts, self.world, batch, self.stages.inverse)
+                name = auto.choose(profile, self.kfac.profile, self.world, self.cfg)[0]
+            name = self.backend.broadcast_object(name)
+            self.variant, self.stages = name, resolve(auto.preset_config(self.cfg, name))
+            chosen = auto.preset_config(self.cfg, name)
+            self.kfac.reconfigure(
+                build.stages(chosen, self.stages, self.kfac.profile), self.kfac.profile.for_method(self.stages.inverse)
+            )
+            self.deferred = self.world > 1 and registry.GRAD_SYNCS.get(self.stages.grad_sync).deferred
 
-    @torch.no_grad()
     def _evaluate(self, epoch: float) -> None:
+        with self.timer.outside(), torch.no_grad():
+            self._evaluate_now(epoch)
+
+    def _evaluate_now(self, epoch: float) -> None:
         self.net.eval()
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)
         for x, y in self.val_loader:
@@ -313,8 +359,8 @@ class Trainer:
         self.history.append(record)
         self.report.evaluation(record)
 
-    def _log_train(self, sums: Tensor) -> None:
-        total = self.backend.allreduce_sum(sums)
+    def _log_train(self, total: Tensor) -> None:
+        """Log the training metrics summed over ranks since the last log (no collective: the step made them)."""
         if total[2] > 0:
             lr = self.optimizer.param_groups[0]["lr"]
             self.report.train_scalars(self.step, float(total[0] / total[2]), float(total[1] / total[2]), lr)

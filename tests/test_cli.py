@@ -58,6 +58,8 @@ def recipes_dir(tmp_path: Path) -> Path:
     (tmp_path / "p_bytes.yaml").write_bytes(comm.encode() + b"inverse: {kind: cubic\xff\xfe}\n")
     (tmp_path / "p_negbeta.yaml").write_text(comm.replace("beta: 8.0e-11", "beta: -8.0e-11") + cubic)
     (tmp_path / "p_noinv.yaml").write_text(comm)
+    method = "methods:\n  cholesky_factr: {kind: cubic, alpha: 1.0e-4, beta: 1.0e-12}\n"
+    (tmp_path / "p_method.yaml").write_text(comm + cubic + method)
     return tmp_path
 
 
@@ -199,6 +201,16 @@ MISTAKES = [
     ),
     pytest.param(
         [QUICK, "kfac.profile={tmp}/p_noinv.yaml"], ("p_noinv.yaml", "'inverse' section"), id="profile-no-inverse"
+    ),
+    pytest.param(
+        [QUICK, "dist.backend=horovod", "launch.nproc=1", "kfac.variant=flow"],
+        ("kfac.grad_sync=deferred", "dist.backend=torch", "kfac.grad_sync=overlap"),
+        id="deferred-gradients-under-horovod",
+    ),
+    pytest.param(
+        [QUICK, "kfac.profile={tmp}/p_method.yaml"],
+        ("methods.cholesky_factr", "Did you mean 'cholesky_factor'"),
+        id="profile-method-misspelt",
     ),
     # Bad messages: the line must name the key, not '?' or OmegaConf internals.
     pytest.param([QUICK, "model=abc"], ("'model'",), id="section-given-a-value"),
@@ -503,6 +515,10 @@ def test_explicit_stage_wins_in_summary(tmp_path: Path) -> None:
         "placement": "lbp",
         "inverse": "eigen",
         "preconditioned": True,
+        "pipeline": "barrier",
+        "broadcast": "packed",
+        "grad_sync": "overlap",
+        "choose": False,
     }
     assert summary["variant"] == "spd" and summary["steps"] == 2
     assert Path(last_line(proc)).parent == tmp_path / "quickstart"

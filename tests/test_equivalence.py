@@ -6,6 +6,7 @@ real 2-process gloo group with the preconditioner driven by hand (different data
 
 from __future__ import annotations
 
+import json
 import subprocess
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,7 @@ from kfacflow import build
 from kfacflow.comm.torch_dist import TorchBackend
 from kfacflow.config import DistConfig, KFACConfig
 from kfacflow.kfac.inverse import Inverse
+from kfacflow.kfac.variants import PRESETS
 from kfacflow.models import build_model
 
 RTOL, ATOL = 1e-8, 1e-12
@@ -34,7 +36,11 @@ CASES: dict[str, list[str]] = {
     "eigen": ["kfac.inverse=eigen"],
     "reduce": ["kfac.factor=reduce"],
     "sgd": ["kfac.variant=sgd"],
+    "flow": ["kfac.variant=flow"],
+    "auto": ["kfac.variant=auto"],
 }
+KINDS = {"eigen": "eigen", "flow": "cholesky_factor"}
+"""The inverse kind each case stores (``dense`` if not named; ``auto`` stores its choice's)."""
 
 
 def _common(out_dir: Path) -> list[str]:
@@ -127,7 +133,13 @@ def test_two_workers_equal_one_worker_with_double_batch(
     assert len(two["kfac"]["factors"]) == 8  # conv1, conv2, fc1, fc2 x (A, G)
     _assert_same(two["kfac"]["factors"], one["kfac"]["factors"], "factor")
     kinds = {kind for kind, _ in two["kfac"]["inverses"].values()}
-    assert kinds == {"eigen" if case == "eigen" else "dense"}
+    if case == "auto":
+        summary = json.loads((Path(last_line(equivalence_runs[(case, 2)])) / "summary.json").read_text())
+        assert summary["variant"] == "auto" and summary["variant_used"] in PRESETS, summary
+        assert summary["stages"]["choose"] is False  # the chosen preset's stages are in force
+        assert kinds == {KINDS.get(summary["variant_used"], "dense")}
+    else:
+        assert kinds == {KINDS.get(case, "dense")}
     _assert_same(_dense_inverses(two["kfac"]), _dense_inverses(one["kfac"]), "inverse")
     if case != "eigen":
         _assert_same(

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from kfacflow import UserError
 from kfacflow.kfac.factors import ExpandFactors, ReduceFactors
 from kfacflow.kfac.layers import KFACLayer, find_layers
-from kfacflow.kfac.packing import pack, packed_size, unpack
+from kfacflow.kfac.packing import pack, pack_lower, packed_size, unpack, unpack_lower
 
 DT = torch.float64
 
@@ -135,6 +135,14 @@ def test_pack_unpack_roundtrip(d: int) -> None:
     assert p.shape == (packed_size(d),)
     assert torch.equal(unpack(p, d), m)
     assert torch.equal(pack(unpack(p, d)), p)
+
+
+def test_pack_lower_column_major_lower() -> None:
+    m = torch.arange(9, dtype=DT).reshape(3, 3)
+    # columns of the lower triangle: [0 3 6] [4 7] [8], the order pack gives for m.T
+    assert pack_lower(m).tolist() == [0.0, 3.0, 6.0, 4.0, 7.0, 8.0]
+    assert torch.equal(pack_lower(m), pack(m.T))
+    assert unpack_lower(pack_lower(m), 3).tolist() == [[0.0, 0.0, 0.0], [3.0, 4.0, 0.0], [6.0, 7.0, 8.0]]
 
 
 # --- Linear ---------------------------------------------------------------------------------------

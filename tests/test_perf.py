@@ -53,6 +53,16 @@ def test_inverse_fit_keeps_the_better_model() -> None:
     assert best.error < 1e-9
 
 
+def test_inverse_fit_does_not_extrapolate_noise_into_an_exponential() -> None:
+    # Calibrated on the emulated cluster (cholesky_factor; both ranks on 2 shared cores): the
+    # smallest sides are noise. Chosen by the whole fit's error, an exponential won and predicted
+    # 32 s at d = 4096, where the inversion takes about 0.9 s.
+    dims: list[float] = [128, 256, 512, 1024, 1536, 2048]
+    for seconds in ([0.0039, 0.0008, 0.0046, 0.0571, 0.0888, 0.1136], [0.0005, 0.0006, 0.0023, 0.0161, 0.0279, 0.1818]):
+        best = fit_inverse(dims, seconds)
+        assert best.kind == "cubic" and 0.3 < best(4096) < 3.0
+
+
 def test_profile_round_trips_through_its_file(tmp_path: Path) -> None:
     samples = {
         "allreduce": [[1e3, 1e-4], [1e6, 1e-2], [1e7, 0.1]],

@@ -73,3 +73,28 @@ def test_schedule_sends_communicated_inverses_first_by_estimated_finish() -> Non
     # r1 inverts 9 (done at 0.729 s) before 8 (1.241 s); r0 finishes 10 at 1.0 s; the NCT comes last.
     assert order == [3, 0, 2, 1]
     assert schedule(DIMS, [EVERY_RANK] * 4, 2, None) == [0, 1, 2, 3]
+
+
+def test_inverse_phase_queues_broadcasts_on_one_link() -> None:
+    from kfacflow.kfac.placement import inverse_phase, schedule
+
+    # Fig. 5c placement, broadcasts of 0.4 s on one link, in the schedule's order [T4, T1, T3, T2].
+    owners = [0, EVERY_RANK, 1, 1]
+    costs, comms = [1.0, 0.343, 0.512, 0.729], [0.4] * 4
+    busy, arrivals = inverse_phase(costs, comms, owners, schedule(DIMS, owners, 2, profile(0.4)), 2)
+    # T4 leaves r1 at 0.729 and arrives at 1.129; T1 is ready at 1.0 but waits for the link until
+    # 1.129 (Algorithm 1 counts it as arriving at 1.4); T3 is ready at 1.241, sent at 1.529.
+    assert arrivals == pytest.approx([1.129, 1.529, 1.929, 0.0])
+    assert busy == pytest.approx([1.343, 1.584])  # each rank then inverts the NCT T2
+
+
+def test_link_aware_placement_keeps_a_factor_local_when_its_broadcast_would_queue() -> None:
+    from kfacflow.kfac.placement import link
+
+    # Sending T3 (8) ends the phase at 1.929 (the link is busy); inverting it on both ranks ends
+    # it at 1.855 (r0: 1.0 + 0.512 + 0.343); everything else only gets worse (see the test above).
+    assert link(DIMS, SIZES, 2, profile(0.4)) == [0, EVERY_RANK, EVERY_RANK, 1]
+    assert link(DIMS, SIZES, 2, profile(0.0)) == lbp(DIMS, SIZES, 2, profile(0.0))  # free links: nothing to fix
+    assert link(DIMS, SIZES, 1, profile(0.4)) == [EVERY_RANK] * 4
+    with pytest.raises(UserError, match="kfac.placement=link"):
+        link(DIMS, SIZES, 2, None)

@@ -359,3 +359,37 @@ def test_state_dict_roundtrip(backend: TorchBackend, inverse: str) -> None:
     for p, p2 in zip(model.parameters(), model2.parameters(), strict=True):
         assert p.grad is not None and p2.grad is not None
         torch.testing.assert_close(p2.grad, p.grad, rtol=0, atol=0)
+
+
+# --- the Cholesky factor as the inverse (applied by triangular solves) -----------------------------------
+
+
+def test_cholesky_factor_applies_the_damped_inverse_by_hand() -> None:
+    from kfacflow.kfac.inverse import CholeskyFactorInverse, cholesky_factor
+
+    d, damping = 5, 0.01
+    f = spd(d, 7)
+    inv = cholesky_factor(f, damping)
+    assert isinstance(inv, CholeskyFactorInverse) and inv.kind == "cholesky_factor"
+    (chol,) = inv.tensors
+    assert torch.equal(chol, chol.tril()) and chol.is_contiguous()
+    want = torch.linalg.inv(f + damping * torch.eye(d, dtype=DT))
+    x = torch.randn(d, 3, generator=torch.Generator().manual_seed(8), dtype=DT)
+    rel_close(inv.left(x), want @ x)
+    rel_close(inv.right(x.T), x.T @ want)
+    rel_close(inv.dense(), want)
+    # It travels as its packed triangle (or whole) and comes back bit for bit.
+    flat = inv.to_flat()
+    assert flat.shape == (Inverse.flat_size("cholesky_factor", d),) == (15,)
+    assert inv.round_trip_exact() and torch.equal(Inverse.from_flat(inv.kind, flat, d).tensors[0], chol)
+    assert torch.equal(type(inv).from_full(inv.to_full(), d).tensors[0], chol)
+
+
+def test_cholesky_factor_kronecker_identity() -> None:
+    a_dim, g_dim, damping = 4, 3, 1e-3
+    a, g = spd(a_dim, 1), spd(g_dim, 2)
+    grad = torch.randn(g_dim, a_dim, generator=torch.Generator().manual_seed(3), dtype=DT)
+    invert = INVERSES.get("cholesky_factor")
+    got = precondition(grad, invert(a, damping), invert(g, damping))
+    big = torch.kron(a + damping * torch.eye(a_dim, dtype=DT), g + damping * torch.eye(g_dim, dtype=DT))
+    rel_close(big @ got.T.reshape(-1), grad.T.reshape(-1))

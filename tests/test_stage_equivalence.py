@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ from helpers import run_in_gloo
 from torch import nn
 
 from kfacflow import build
+from kfacflow.comm.base import GradientAllreduce
 from kfacflow.comm.torch_dist import TorchBackend
 from kfacflow.config import DistConfig, KFACConfig
 from kfacflow.kfac.placement import EVERY_RANK
@@ -47,11 +49,22 @@ def make_model() -> nn.Module:
     ).double()
 
 
-def train(backend: TorchBackend, fusion: str, placement: str, inverse: str) -> dict[str, Any]:
+def train(
+    backend: TorchBackend,
+    fusion: str,
+    placement: str,
+    inverse: str,
+    pipeline: str = "barrier",
+    broadcast: str = "packed",
+    grad_sync: str = "overlap",
+) -> dict[str, Any]:
     cfg = KFACConfig(
         fusion=fusion,
         placement=placement,
         inverse=inverse,
+        pipeline=pipeline,
+        broadcast=broadcast,
+        grad_sync=grad_sync,
         damping=0.01,
         kl_clip=0.01,
         profile_steps=2,
@@ -67,10 +80,12 @@ def train(backend: TorchBackend, fusion: str, placement: str, inverse: str) -> d
         x = torch.randn(world * BATCH, 1, 8, 8, generator=gen, dtype=torch.float64)
         y = torch.randint(0, 3, (world * BATCH,), generator=gen)
         part = slice(rank * BATCH, (rank + 1) * BATCH)
-        out = net(x[part])
-        pre.end_forward()
-        F.cross_entropy(out, y[part]).backward()
-        pre.step(lr=0.1)
+        deferred = grad_sync == "deferred"
+        with backend.no_sync(net) if deferred else nullcontext():
+            out = net(x[part])
+            pre.end_forward()
+            F.cross_entropy(out, y[part]).backward()
+        pre.step(lr=0.1, gradients=GradientAllreduce(backend, list(model.parameters())) if deferred else None)
         opt.step()
         opt.zero_grad()
     pre.remove()
@@ -82,10 +97,25 @@ def train(backend: TorchBackend, fusion: str, placement: str, inverse: str) -> d
     }
 
 
-def all_combinations(rank: int, world: int) -> dict[tuple[str, str, str], dict[str, Any]]:
+# The ways a step overlaps its phases (past the paper), each with a few stage choices.
+OVERLAPS = [
+    (*stages, pipeline, broadcast, grad_sync)
+    for stages in (
+        ("optimal", "link", "cholesky_factor"),
+        ("layerwise", "round_robin", "eigen"),
+        ("naive", "lbp", "cholesky"),
+    )
+    for pipeline in ("barrier", "invert_on_arrival", "arrival")
+    for broadcast in ("packed", "owner_keeps", "full")
+    for grad_sync in ("overlap", "deferred")
+]
+
+
+def all_combinations(rank: int, world: int) -> dict[tuple[str, ...], dict[str, Any]]:
     backend = TorchBackend(DistConfig(device="cpu"))
     try:
-        return {combo: train(backend, *combo) for combo in itertools.product(FUSIONS, PLACES, INVS)}
+        combos: list[tuple[str, ...]] = [*itertools.product(FUSIONS, PLACES, INVS), *OVERLAPS]
+        return {combo: train(backend, *combo) for combo in combos}
     finally:
         backend.close()
 
@@ -103,6 +133,12 @@ def test_every_stage_combination_gives_the_same_parameters(world: int) -> None:
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9, msg=f"{combo} rank {rank}")
             for key, inv in got["inverses"].items():
                 torch.testing.assert_close(inv, results[0][combo]["inverses"][key], rtol=1e-9, atol=1e-12)
+            # Every rank holds the same bits (an owner keeping its own inverse included).
+            for a, b in zip(got["params"], results[0][combo]["params"], strict=True):
+                assert torch.equal(a, b), f"{combo}: rank {rank} drifted from rank 0"
+            if combo in OVERLAPS:
+                for key, inv in got["inverses"].items():
+                    assert torch.equal(inv, results[0][combo]["inverses"][key]), f"{combo} {key} rank {rank}"
             assert got["plan"] == results[0][combo]["plan"], "fusion plans differ between ranks"
     lbp_owners = results[0][("optimal", "lbp", "cholesky")]["owners"]
     assert EVERY_RANK in lbp_owners and any(o >= 0 for o in lbp_owners), "LBP should mix CT and NCT here"

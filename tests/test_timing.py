@@ -78,3 +78,24 @@ def test_breakdown_and_timeline_of_a_two_worker_run(tmp_path: Path) -> None:
     acc.Reload()
     assert "timeline" in acc.Tags()["images"]
     assert {"breakdown/FactorComm", "breakdown/InverseComp", "time/step_s"} <= set(acc.Tags()["scalars"])
+
+
+def test_consecutive_steps_tile_the_wall_clock() -> None:
+    timer = StepTimer(torch.device("cpu"))
+    wall = time.perf_counter()
+    totals = []
+    for _ in range(3):
+        timer.begin_step()
+        with timer.span("InverseComp"):
+            time.sleep(0.02)
+        totals.append(timer.end_step())
+        time.sleep(0.03)  # between steps: the next batch, logging ...
+        with timer.outside():
+            time.sleep(0.05)  # ... and an evaluation, which is no step's
+    elapsed = time.perf_counter() - wall
+    assert totals[0]["Between"] == 0.0
+    for parts in totals[1:]:
+        assert parts["Between"] == pytest.approx(0.03, abs=0.015)
+        assert parts["total"] == pytest.approx(parts["Between"] + 0.02, abs=0.015)
+    # Every second of the run is in a step or outside one.
+    assert sum(p["total"] for p in totals) + 3 * 0.05 + 0.03 == pytest.approx(elapsed, abs=0.03)

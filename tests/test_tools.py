@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -12,6 +13,9 @@ from helpers import ROOT, last_line, run_cli, run_tool
 sys.path.insert(0, str(ROOT / "tools"))
 
 import simulate  # noqa: E402
+
+from kfacflow import simulation  # noqa: E402
+from kfacflow.kfac.variants import Stages  # noqa: E402
 
 
 def test_bench_compares_variants_and_writes_table_json_and_figure(tmp_path: Path) -> None:
@@ -38,6 +42,11 @@ def test_bench_compares_variants_and_writes_table_json_and_figure(tmp_path: Path
         assert r["steps_measured"] == 2 and r["median_step_s"] > 0
     assert result["results"]["D-KFAC"]["breakdown_s"]["InverseComp"] > 0
     assert "SPD-KFAC / D-KFAC" in proc.stdout
+    # The outside clock: runs of twice the steps; their extra wall time per extra step. The
+    # quickstart's steps take milliseconds, less than start-up's noise, so only its presence is checked.
+    for r in result["results"].values():
+        assert math.isfinite(r["outside_step_s"]) and math.isfinite(r["inside_step_s"])
+    assert "outside" in proc.stdout.splitlines()[-7] or "outside" in proc.stdout
     assert (tmp_path / "bench.png").stat().st_size > 10_000
 
 
@@ -62,6 +71,7 @@ def test_simulator_projects_a_recorded_run(traced_run: Path, tmp_path: Path) -> 
     layers = json.loads((traced_run / "layers.json").read_text())
     assert [r["name"] for r in layers["layers"]] == ["conv1", "conv2", "fc1", "fc2"]
     assert (layers["model"], layers["world_size"], layers["batch_size"]) == ("digits_cnn", 2, 32)
+    assert layers["inverse"] == "cholesky"  # what was timed: the simulator rescales it for other methods
     assert all(r["t_forward"] > 0 and r["t_factor_a"] > 0 and r["t_factor_g"] > 0 for r in layers["layers"])
     for side in ("a", "g"):
         assert all(r[f"t_inverse_{side}"] > 0 and r[f"t_pack_{side}"] > 0 for r in layers["layers"])
@@ -76,21 +86,41 @@ def test_simulator_projects_a_recorded_run(traced_run: Path, tmp_path: Path) -> 
     rows = json.loads(out.read_text())
     for workers in (2, 8):
         mine = {r["variant"]: r for r in rows if r["workers"] == workers}
-        assert set(mine) == {"d", "mpd", "spd", "lower bound"}
-        for v in ("d", "mpd", "spd"):
-            assert mine[v]["total"] >= mine["lower bound"]["total"] - 1e-12
-            assert mine[v]["total"] == pytest.approx(sum(mine[v][p] for p in simulate.PARTS))
+        bounds = {r["inverse"]: r["total"] for r in rows if r["workers"] == workers and r["variant"] == "lower bound"}
+        assert set(mine) == {"d", "mpd", "spd", "flow", "lower bound"}
+        assert set(bounds) == {"cholesky", "cholesky_factor"}  # flow's inversions are other work
+        for v in ("d", "mpd", "spd", "flow"):
+            bound = bounds["cholesky_factor" if v == "flow" else "cholesky"]
+            assert mine[v]["total"] >= bound - 1e-12
+            assert mine[v]["total"] == pytest.approx(sum(mine[v][p] for p in simulation.PARTS))
+
+
+def test_simulator_rescales_inversions_timed_with_another_method() -> None:
+    from kfacflow.perf import InverseModel, LinearModel, Profile
+
+    methods = {"cholesky": InverseModel("cubic", 0.0, 0.01), "cholesky_factor": InverseModel("cubic", 0.0, 0.004)}
+    links = LinearModel(0.1, 0.01), LinearModel(0.05, 0.01)
+    prof = Profile(*links, methods["cholesky"], {"world_size": 2}, methods=methods)
+    layers = _hand_layers() | {"inverse": "cholesky"}
+    seen = simulation.with_method(layers, prof, "cholesky_factor")
+    assert [r["t_inverse_a"] for r in seen["layers"]] == pytest.approx([0.8, 1.2])  # 2 and 3 s, times 0.4
+    assert seen["inverse"] == "cholesky_factor" and simulation.with_method(layers, prof, "cholesky") is layers
+    # The bound of the cheaper method's work: 7 s of inverses become 2.8 s, shared by two ranks.
+    full = simulation.lower_bound(layers, prof, 2)
+    assert full - simulation.lower_bound(layers, prof, 2, method="cholesky_factor") == pytest.approx((7.0 - 2.8) / 2)
+    with pytest.raises(ValueError, match="different inverse methods"):
+        simulation.average([layers, seen])
 
 
 def test_simulated_link_and_scaling() -> None:
     from kfacflow.perf import InverseModel, LinearModel, Profile
 
-    link = simulate.Link()
+    link = simulation.Link()
     assert link.send(1.0, 2.0) == 3.0 and link.send(2.0, 1.0) == 4.0 and link.send(10.0, 1.0) == 11.0
     prof = Profile(LinearModel(2e-3, 1e-9), LinearModel(1e-3, 5e-10), InverseModel("cubic", 0, 1e-9), {"world_size": 2})
-    same = simulate.scaled(prof, 2)
+    same = simulation.scaled(prof, 2)
     assert same.allreduce.alpha == pytest.approx(2e-3) and same.allreduce.beta == pytest.approx(1e-9)
-    big = simulate.scaled(prof, 64)
+    big = simulation.scaled(prof, 64)
     assert big.allreduce.alpha == pytest.approx(63 * 2e-3) and big.allreduce.beta == pytest.approx(1e-9 * 63 / 32)
     assert big.broadcast.alpha == pytest.approx(63e-3) and big.broadcast.beta == pytest.approx(5e-10)
 
@@ -116,6 +146,12 @@ def _hand_layers() -> dict:
     }
 
 
+def _stages(
+    fusion: str, placement: str, pipeline: str = "barrier", broadcast: str = "packed", grad_sync: str = "overlap"
+) -> Stages:
+    return Stages(fusion, placement, "cholesky", True, pipeline, broadcast, grad_sync)
+
+
 def test_simulated_step_matches_hand_computation() -> None:
     from kfacflow.perf import InverseModel, LinearModel, Profile
 
@@ -123,34 +159,56 @@ def test_simulated_step_matches_hand_computation() -> None:
     layers = _hand_layers()
     # Forward 0..3 s (A factors ready at 0.5 and 2.0), backward 3..5.5 s; then the 30 gradient elements
     # (0.1 + 0.3 s) and the 6 + 10 + 3 + 6 factor elements (0.1 + 0.25 s) one after the other on the link.
-    d = simulate.simulate(layers, prof, 2, "after_backward", "local")
+    d = simulation.simulate(layers, prof, 2, _stages("after_backward", "local"))
     expect = {"FF&BP": 4.0, "GradComm": 0.4, "FactorComp": 2.0, "FactorComm": 0.35, "InverseComp": 7.0}
     assert d == pytest.approx(expect | {"InverseComm": 0.0, "Other": 0.3, "total": 14.05})
     # Round robin: rank 0 inverts A2 then A1 (3 + 2 s), rank 1 G2 then G1 (1 + 1 s). Broadcasts in the
     # shared order G2 (ends 1.11), G1 (2.08), A2 (3.15), A1 (5 + 0.05 + 0.06 = 5.11): 0.11 s after the last inverse.
-    mpd = simulate.simulate(layers, prof, 2, "after_backward", "round_robin")
+    mpd = simulation.simulate(layers, prof, 2, _stages("after_backward", "round_robin"))
     assert mpd == pytest.approx(expect | {"InverseComp": 5.0, "InverseComm": 0.11, "Other": 0.3, "total": 12.16})
     # Packing each communicated inverse costs its owner 0.1 s before the broadcast; every rank unpacks
     # each in turn (0.05 s) as it arrives. Rank 0 ends last: 3 + 0.1 + 2 + 0.1 s of inverting and
     # packing, then four unpacks, the last after A1's broadcast ends at 5.31 s: 5.4 s.
     for row in layers["layers"]:
         row.update(t_pack_a=0.1, t_pack_g=0.1, t_unpack_a=0.05, t_unpack_g=0.05)
-    packed = simulate.simulate(layers, prof, 2, "after_backward", "round_robin")
+    packed = simulation.simulate(layers, prof, 2, _stages("after_backward", "round_robin"))
     assert packed == pytest.approx(expect | {"InverseComp": 5.0, "InverseComm": 0.4, "Other": 0.3, "total": 12.45})
     # An unmeasured factor gets the seconds per element of the measured ones: 0.3 s over 6 + 10 + 6 elements.
     del layers["layers"][0]["t_pack_g"]
-    assert simulate.per_element(layers["layers"], [6, 3, 10, 6], "t_pack") == pytest.approx(
+    assert simulation.per_element(layers["layers"], [6, 3, 10, 6], "t_pack") == pytest.approx(
         [0.1, 0.3 / 22 * 3, 0.1, 0.1]
     )
     for row in layers["layers"]:
         for key in ("t_pack_a", "t_pack_g", "t_unpack_a", "t_unpack_g"):
             row.pop(key, None)
     # The bound: FF&BP, factor work and the rest, plus half of the 7 s of inverses.
-    assert simulate.lower_bound(layers, prof, 2) == pytest.approx(4.0 + 2.0 + 3.5 + 0.3)
+    assert simulation.lower_bound(layers, prof, 2) == pytest.approx(4.0 + 2.0 + 3.5 + 0.3)
     # From the profile's model instead: 0.27 + 0.08 + 0.64 + 0.27 s of inverses.
-    assert simulate.lower_bound(layers, prof, 2, use_measured=False) == pytest.approx(6.3 + 1.26 / 2)
-    spd = simulate.simulate(layers, prof, 2, "optimal", "lbp")
-    assert spd["total"] >= simulate.lower_bound(layers, prof, 2) - 1e-12
+    assert simulation.lower_bound(layers, prof, 2, use_measured=False) == pytest.approx(6.3 + 1.26 / 2)
+    spd = simulation.simulate(layers, prof, 2, _stages("optimal", "lbp"))
+    assert spd["total"] >= simulation.lower_bound(layers, prof, 2) - 1e-12
+
+
+def test_simulated_deferred_gradients_and_arrival_match_hand_computation() -> None:
+    from kfacflow.perf import InverseModel, LinearModel, Profile
+
+    prof = Profile(LinearModel(0.1, 0.01), LinearModel(0.05, 0.01), InverseModel("cubic", 0.0, 0.01), {"world_size": 2})
+    layers = _hand_layers()
+    # Deferred gradients queue behind the fused factors (5.5..5.85 s), so backward ends at 5.5 s and
+    # the step waits 0.35 s for its factors, then averages them (0.5 s) and inverts everything (7 s).
+    deferred = simulation.simulate(layers, prof, 2, _stages("after_backward", "local", grad_sync="deferred"))
+    expect = {"FF&BP": 4.0, "GradComm": 0.0, "FactorComp": 2.0, "FactorComm": 0.35, "InverseComp": 7.0}
+    assert deferred == pytest.approx(expect | {"InverseComm": 0.0, "Other": 0.3, "total": 13.65})
+    # Layer-wise, each factor arrives long before 5.5 s but G1 (5.5..5.63 s); inverting in arrival
+    # order, each factor's average (0.5 s shared by elements: 0.12, 0.2, 0.12, 0.06) comes just before
+    # its inversion, so nothing waits: 5.5 + 0.5 + 7 s, and the gradients (ending 6.03 s) are long here.
+    flow = simulation.simulate(
+        layers, prof, 2, _stages("layerwise", "local", grad_sync="deferred", pipeline="invert_on_arrival")
+    )
+    assert flow == pytest.approx(expect | {"FactorComm": 0.0, "InverseComm": 0.0, "Other": 0.3, "total": 13.3})
+    # The same with the barrier waits for G1 (0.13 s) before averaging anything.
+    barrier = simulation.simulate(layers, prof, 2, _stages("layerwise", "local", grad_sync="deferred"))
+    assert barrier["FactorComm"] == pytest.approx(0.13) and barrier["total"] == pytest.approx(13.43)
 
 
 def test_simulate_prints_ratios_and_markdown(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -173,8 +231,8 @@ def test_simulate_prints_ratios_and_markdown(tmp_path: Path, capsys: pytest.Capt
         simulate.main([str(layers), str(layers)])
     # Several layer profiles are averaged: this one and a copy twice as slow make one 1.5 times as slow.
     slow = tmp_path / "slow.json"
-    slow.write_text(json.dumps(simulate.scale_compute(_hand_layers(), 2.0)))
-    mean = simulate.average([_hand_layers(), json.loads(slow.read_text())])
-    assert mean == simulate.scale_compute(_hand_layers(), 1.5)
+    slow.write_text(json.dumps(simulation.scale_compute(_hand_layers(), 2.0)))
+    mean = simulation.average([_hand_layers(), json.loads(slow.read_text())])
+    assert mean == simulation.scale_compute(_hand_layers(), 1.5)
     with pytest.raises(SystemExit, match="broadcast.gamma"):
         simulate.main([str(layers), str(prof), "--set", "broadcast.gamma=1"])

@@ -1,17 +1,21 @@
-"""Side-by-side benchmark of D-KFAC, MPD-KFAC, SPD-KFAC (and SGD) on one recipe: the paper's Table III and Fig. 9.
+"""Side-by-side benchmark of D-KFAC, MPD-KFAC, SPD-KFAC, flow (and SGD) on one recipe: the paper's Table III and Fig. 9.
 
     python tools/bench.py recipes/resnet50_spd.yaml data.image_size=32 --cluster --nodes 2 --rate 1gbit
     python tools/bench.py recipes/quickstart.yaml --nproc 2 --reps 3
     python tools/bench.py recipes/resnet50_spd.yaml --ablation table4 --cluster    # +-pipelining, +-LBP (Fig. 13)
     python tools/bench.py recipes/resnet50_spd.yaml --ablation fig10 --cluster     # fusion policies (Fig. 10)
+    python tools/bench.py recipes/resnet18_synthetic.yaml --ablation flow --cluster  # SPD to flow, one option at a time
 
 Each configuration runs ``--steps`` steps; the first ``--warmup`` (which must cover the optimal
-fusion's profiling) are discarded and the median of the rest is the step time. Repetitions are
-interleaved (d, mpd, spd, d, mpd, spd, ...) so that slow drifts of the machine hit every variant
-alike. One performance profile is measured first (or given with ``--profile``) and shared by all
-runs, so plans and placements are the same in every repetition. Timing claims about pipelining
-belong on the emulated cluster (``--cluster``): on plain loopback the workers and the
-communication threads fight over the same cores and overlap looks slower than serial.
+fusion's profiling) are discarded and the median of the rest is the step time. An outside clock
+checks it: every configuration also runs once with twice the steps, and the difference of the two
+runs' wall times (start-up, calibration and warm-up cancel) over the extra steps ("outside") is
+printed beside the same difference of the runs' step times ("inside"), with the gap: time the step
+timer misses shows there. Repetitions are interleaved (d, mpd, spd, d, mpd, spd, ...) so that slow
+drifts of the machine hit every variant alike. One performance profile is measured first (or given
+with ``--profile``) and shared by all runs, so plans and placements are the same in every
+repetition. Timing claims about pipelining belong on the emulated cluster (``--cluster``): on plain
+loopback the workers and the communication threads fight over the same cores and overlap looks slower than serial.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +41,26 @@ CONFIGS: dict[str, dict[str, list[str]]] = {
         "D-KFAC": ["kfac.variant=d"],
         "MPD-KFAC": ["kfac.variant=mpd"],
         "SPD-KFAC": ["kfac.variant=spd"],
+        "flow": ["kfac.variant=flow"],
     },
     "table4": {
         "-Pipe-LBP": ["kfac.variant=d"],
         "+Pipe-LBP": ["kfac.variant=d", "kfac.fusion=optimal"],
         "-Pipe+LBP": ["kfac.variant=d", "kfac.placement=lbp"],
         "+Pipe+LBP": ["kfac.variant=spd"],
+    },
+    "flow": {
+        "SPD-KFAC": ["kfac.variant=spd"],
+        "+arrival": ["kfac.variant=spd", "kfac.pipeline=arrival"],
+        "+deferred": ["kfac.variant=spd", "kfac.pipeline=arrival", "kfac.grad_sync=deferred"],
+        "+link": ["kfac.variant=spd", "kfac.pipeline=arrival", "kfac.grad_sync=deferred", "kfac.placement=link"],
+        "+factor": [
+            "kfac.variant=flow",
+            "kfac.broadcast=packed",
+        ],
+        "+keeps": ["kfac.variant=flow", "kfac.broadcast=owner_keeps"],
+        "+full": ["kfac.variant=flow", "kfac.broadcast=full"],
+        "layerwise": ["kfac.variant=flow", "kfac.fusion=layerwise"],
     },
     "fig10": {
         "Naive": ["kfac.variant=spd", "kfac.fusion=naive"],
@@ -68,11 +87,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rate", default="1gbit")
     p.add_argument("--delay", default="0ms")
     p.add_argument("--profile", default=None, help="performance profile to share (default: measure one first)")
+    p.add_argument("--no-outside-clock", action="store_true", help="skip the runs of twice the steps")
     p.add_argument("--out", default="bench", help="folder for runs, bench.json and bench.png")
     return p.parse_intermixed_args(argv)
 
 
-def run_one(args: argparse.Namespace, extra: list[str], out_dir: Path, cluster: Any) -> int:
+def run_one(args: argparse.Namespace, extra: list[str], out_dir: Path, cluster: Any) -> tuple[int, float]:
+    """Run one configuration; return its exit code and wall seconds."""
+    start = time.perf_counter()
+    rc = _run(args, extra, out_dir, cluster)
+    return rc, time.perf_counter() - start
+
+
+def _run(args: argparse.Namespace, extra: list[str], out_dir: Path, cluster: Any) -> int:
     argv = ["run.py", args.recipe, *args.overrides, *extra, f"out_dir={out_dir}", "name=run", "train.progress=false"]
     argv.append(f"dist.backend={args.backend}")
     if cluster is not None:
@@ -101,31 +128,52 @@ def collect(run_root: Path, warmup: int) -> dict[str, Any]:
     run_dir = max((p for p in (run_root / "run").iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)
     steps = [json.loads(line) for line in (run_dir / "timings.jsonl").read_text().splitlines()]
     kept = steps[warmup:]
-    return {"run_dir": str(run_dir), "steps": kept}
+    return {"run_dir": str(run_dir), "steps": kept, "sum_s": sum(s["total"] for s in steps)}
 
 
-def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(runs: list[dict[str, Any]], long: dict[str, Any] | None, extra_steps: int) -> dict[str, Any]:
     steps = [s for r in runs for s in r["steps"]]
-    return {
+    out = {
         "median_step_s": statistics.median(s["total"] for s in steps),
-        "breakdown_s": {c: statistics.mean(s[c] for s in steps) for c in CATEGORIES},
+        "breakdown_s": {c: statistics.mean(s.get(c, 0.0) for s in steps) for c in CATEGORIES},
         "steps_measured": len(steps),
         "runs": [r["run_dir"] for r in runs],
+        "outside_step_s": None,
     }
+    if long is not None:
+        # The same difference by both clocks: the runs' wall times, and the sums of their step times.
+        out["outside_step_s"] = (long["wall_s"] - statistics.mean(r["wall_s"] for r in runs)) / extra_steps
+        out["inside_step_s"] = (long["sum_s"] - statistics.mean(r["sum_s"] for r in runs)) / extra_steps
+    return out
 
 
 def table(results: dict[str, dict[str, Any]], ablation: str) -> str:
     names = list(results)
-    base = {"variants": ("D-KFAC", "MPD-KFAC"), "table4": ("-Pipe-LBP", None), "fig10": ("Naive", None)}[ablation]
-    lines = [f"{'config':<12} {'s/step':>8} " + " ".join(f"{c:>11}" for c in CATEGORIES)]
+    base = {
+        "variants": ("D-KFAC", "MPD-KFAC"),
+        "table4": ("-Pipe-LBP", None),
+        "fig10": ("Naive", None),
+        "flow": ("SPD-KFAC", None),
+    }[ablation]
+    head = f"{'config':<12} {'s/step':>8} {'inside':>8} {'outside':>8} {'gap':>6} "
+    lines = [head + " ".join(f"{c:>11}" for c in CATEGORIES)]
     for name in names:
         r = results[name]
         parts = " ".join(f"{r['breakdown_s'][c]:>11.3f}" for c in CATEGORIES)
-        lines.append(f"{name:<12} {r['median_step_s']:>8.3f} {parts}")
+        inside, outside, gap = "-", "-", "-"
+        if r.get("outside_step_s") is not None:
+            inside, outside = f"{r['inside_step_s']:.3f}", f"{r['outside_step_s']:.3f}"
+            gap = f"{100 * (r['outside_step_s'] / r['inside_step_s'] - 1):+.1f}%"
+        lines.append(f"{name:<12} {r['median_step_s']:>8.3f} {inside:>8} {outside:>8} {gap:>6} {parts}")
+    lines.append(
+        "(inside and outside: the extra time per extra step of a run twice as long, by the step timer and by the wall)"
+    )
     lines.append("")
-    best = "SPD-KFAC" if ablation == "variants" else names[-1]
-    for ref in base:
-        if ref and ref in results and best in results and ref != best:
+    pairs = [("SPD-KFAC", ref) for ref in base if ref] if ablation == "variants" else []
+    pairs = [("flow", ref) for ref in ("D-KFAC", "SPD-KFAC")] + pairs if ablation == "variants" else pairs
+    pairs += [(names[-1], ref) for ref in base if ref and ablation != "variants"]
+    for best, ref in pairs:
+        if ref in results and best in results and ref != best:
             ratio = results[best]["median_step_s"] / results[ref]["median_step_s"]
             lines.append(f"{best} / {ref}: {ratio:.3f} of the time (speedup {1 / ratio:.2f}x)")
     return "\n".join(lines)
@@ -167,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         configs = {k: v for k, v in configs.items() if k in args.only.split(",")}
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    common = [f"train.steps={args.steps}", f"train.timing_warmup={args.warmup}", "train.checkpoint_every=0"]
+    common = [f"train.timing_warmup={args.warmup}", "train.checkpoint_every=0"]
     cluster = None
     if args.cluster:
         sys.path.insert(0, str(ROOT / "tools"))
@@ -178,19 +226,28 @@ def main(argv: list[str] | None = None) -> int:
         profile = Path(args.profile).resolve() if args.profile else measure_profile(args, out, cluster)
         common.append(f"kfac.profile={profile}")
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
-        for rep in range(args.reps):
-            for name, extra in configs.items():
-                run_root = out / "runs" / f"{name.replace('/', '_').replace(' ', '_')}-{rep}"
-                print(f"== {name} (repetition {rep + 1}/{args.reps})", flush=True)
-                rc = run_one(args, [*common, *extra], run_root, cluster)
-                if rc != 0:
-                    print(f"error: {name} failed with exit code {rc}", file=sys.stderr)
-                    return rc
-                runs[name].append(collect(run_root, args.warmup))
+        longs: dict[str, dict[str, Any]] = {}
+        plan = [(rep, name) for rep in range(args.reps) for name in configs]
+        if not args.no_outside_clock:
+            plan += [(-1, name) for name in configs]  # the outside clock's runs of twice the steps
+        for rep, name in plan:
+            steps = [f"train.steps={args.steps if rep >= 0 else 2 * args.steps}"]
+            run_root = out / "runs" / f"{name.replace('/', '_').replace(' ', '_')}-{rep if rep >= 0 else 'long'}"
+            what = f"repetition {rep + 1}/{args.reps}" if rep >= 0 else f"{2 * args.steps} steps, for the outside clock"
+            print(f"== {name} ({what})", flush=True)
+            rc, wall = run_one(args, [*common, *steps, *configs[name]], run_root, cluster)
+            if rc != 0:
+                print(f"error: {name} failed with exit code {rc}", file=sys.stderr)
+                return rc
+            run = {**collect(run_root, args.warmup), "wall_s": wall}
+            if rep >= 0:
+                runs[name].append(run)
+            else:
+                longs[name] = run
     finally:
         if cluster is not None:
             cluster.__exit__(None, None, None)
-    results = {name: summarize(r) for name, r in runs.items()}
+    results = {name: summarize(r, longs.get(name), args.steps) for name, r in runs.items()}
     where = f"{args.nodes} nodes x {args.nproc} at {args.rate}" if args.cluster else f"{args.nproc} local workers"
     where += f", {args.backend}"
     meta = {

@@ -34,7 +34,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=2, help="local workers to start (ignored under torchrun)")
     p.add_argument("--dims", default="64,128,256,512,1024,1536,2048", help="factor sides to measure")
     p.add_argument("--repeat", type=int, default=3, help="runs per size; the best is kept")
-    p.add_argument("--inverse", default="cholesky", help="inverse method timed (kfac.inverse)")
+    p.add_argument("--inverse", default="cholesky", help="inverse method of the default model (kfac.inverse)")
+    p.add_argument(
+        "--methods",
+        default=None,
+        help="comma-separated inverse methods timed each with a model of its own (default: every registered one)",
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     p.add_argument("--backend", default="torch", help="communication backend (dist.backend)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -50,7 +55,9 @@ def worker(args: argparse.Namespace) -> str | None:
     try:
         dims = [int(d) for d in args.dims.split(",")]
         dtype = getattr(torch, args.dtype)
-        profile = calibrate(backend, registry.INVERSES.get(args.inverse), dtype, dims, repeat=args.repeat)
+        names = args.methods.split(",") if args.methods else registry.INVERSES.names()
+        methods = {name: registry.INVERSES.get(name) for name in names}
+        profile = calibrate(backend, registry.INVERSES.get(args.inverse), dtype, dims, args.repeat, methods)
     finally:
         backend.close()
     if backend.rank != 0:
@@ -73,6 +80,9 @@ def report(profile: Profile) -> None:
     for d in (256, 1024, 4096):
         m = d * (d + 1) // 2
         print(f"  d={d:5d}: inverse {profile.inverse(d):.4f} s, broadcast {profile.broadcast(m):.4f} s")
+    for method, model in profile.methods.items():
+        times = ", ".join(f"d={d} {model(d):.4f} s" for d in (256, 1024, 4096))
+        print(f"  {method:16s} ({model.kind}, error {100 * model.error:.1f} %): {times}")
 
 
 def plot(profile: Profile, folder: Path) -> None:

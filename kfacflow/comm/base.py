@@ -91,3 +91,57 @@ class Backend(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release process groups."""
+
+
+class GradientAllreduce:
+    """A step's gradients averaged over ranks after the backward pass, on the K-FAC group (``grad_sync=deferred``).
+
+    :meth:`launch` is called once the step's factor all-reduces are posted, so the gradients
+    queue behind them on the link; :meth:`wait` before preconditioning, which is the first thing
+    that needs them. Buckets of about 25 MiB, as DDP's.
+
+    Args:
+        backend: The engine (its K-FAC group carries the buckets).
+        params: The parameters whose gradients are averaged.
+    """
+
+    BUCKET_BYTES = 25 * 2**20
+
+    def __init__(self, backend: Backend, params: list[nn.Parameter]) -> None:
+        self.backend = backend
+        self.params = params
+        self.inflight: list[tuple[list[Tensor], Tensor, Handle]] = []
+        self.launched = False
+
+    def launch(self) -> None:
+        """Post the all-reduces (once)."""
+        if self.launched:
+            return
+        self.launched = True
+        if self.backend.world_size == 1:
+            return
+        grads = [p.grad for p in self.params if p.grad is not None]
+        bucket: list[Tensor] = []
+        for g in grads:
+            bucket.append(g)
+            if sum(t.numel() * t.element_size() for t in bucket) >= self.BUCKET_BYTES:
+                self._post(bucket)
+                bucket = []
+        if bucket:
+            self._post(bucket)
+
+    def _post(self, bucket: list[Tensor]) -> None:
+        flat = torch.cat([t.reshape(-1) for t in bucket])
+        self.inflight.append((bucket, flat, self.backend.allreduce_async(flat)))
+
+    def wait(self) -> None:
+        """Launch if need be, wait, and write the averages back into the gradients."""
+        self.launch()
+        for bucket, flat, handle in self.inflight:
+            handle.wait()
+            flat.div_(self.backend.world_size)
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        self.inflight = []

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +20,7 @@ from torch import Tensor
 from kfacflow.comm.base import Backend, Handle
 from kfacflow.kfac.fusion_plan import plan_groups
 from kfacflow.kfac.stages import FusionOptions, FusionPolicy, Waiting
+from kfacflow.perf import LinearModel
 from kfacflow.registry import COMMUNICATORS
 from kfacflow.timing import StepTimer
 
@@ -171,6 +172,20 @@ def plan_launches(
     return launches
 
 
+def estimated_arrivals(groups: Sequence[Sequence[tuple[str, int]]], allreduce: LinearModel | None) -> dict[str, float]:
+    """Estimate when each factor arrives: its group's all-reduce after every group launched before it.
+
+    Groups are ``(key, elements)`` lists in launch order; the link carries one at a time. Only
+    the order and the sizes count, so every rank estimates the same from the same launches.
+    """
+    t, out = 0.0, dict[str, float]()
+    for group in groups:
+        elements = sum(m for _, m in group)
+        t += allreduce(elements) if allreduce is not None else float(elements)
+        out.update((key, t) for key, _ in group)
+    return out
+
+
 class FusedAllreduce:
     """One asynchronous all-reduce of several packed factors copied into one buffer.
 
@@ -219,6 +234,9 @@ class Communicator:
         self.inflight: list[FusedAllreduce] = []
         self.launches = 0
         """All-reduces launched so far (for tests and logs)."""
+        self.groups: list[list[tuple[str, int]]] = []
+        """The groups of the last complete step, in launch order: ``(key, elements)``."""
+        self._groups: list[list[tuple[str, int]]] = []
         self._backward = False
         self._fresh = True
         self._t0 = 0.0
@@ -251,18 +269,28 @@ class Communicator:
 
     def wait(self) -> dict[str, Tensor]:
         """Launch what is still pending, wait for all, return the averaged factors by key."""
-        self._launch(self.grouper.end_backward())
         out: dict[str, Tensor] = {}
-        for op in self.inflight:
-            out.update(op.wait())
-        self.inflight = []
-        self._backward, self._fresh = False, True
-        self._after_step()
+        for averaged in self.arrivals():
+            out.update(averaged)
         return out
+
+    def arrivals(self) -> Iterator[dict[str, Tensor]]:
+        """Launch what is still pending; yield each all-reduce's averaged factors as it completes, in launch order.
+
+        Iterate to the end: the step's bookkeeping (a measuring policy's plan) runs after the last.
+        """
+        self._launch(self.grouper.end_backward())
+        inflight, self.inflight = self.inflight, []
+        for op in inflight:
+            yield op.wait()
+        self._backward, self._fresh = False, True
+        self.groups, self._groups = self._groups, []
+        self._after_step()
 
     def _launch(self, keys: list[str] | None) -> None:
         if keys:
             items = [(k, self.pending.pop(k)) for k in keys]
+            self._groups.append([(k, t.numel()) for k, t in items])
             self.inflight.append(FusedAllreduce(self.backend, items, self.timer))
             self.launches += 1
 

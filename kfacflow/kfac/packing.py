@@ -39,3 +39,18 @@ def unpack(packed: Tensor, d: int) -> Tensor:
     out.index_copy_(0, upper, packed)
     out.index_copy_(0, lower, packed)
     return out.view(d, d)
+
+
+def pack_lower(m: Tensor) -> Tensor:
+    """Return the lower triangle of square ``m`` (diagonal included), column-major: :func:`pack` of ``m.T``."""
+    _, lower = _triu_index(m.shape[0], m.device)
+    return m.reshape(-1).index_select(0, lower)
+
+
+def unpack_lower(packed: Tensor, d: int) -> Tensor:
+    """Rebuild the lower-triangular d x d matrix (zeros above) whose triangle :func:`pack_lower` returned.
+
+    One scatter into zeros: half the passes of :func:`unpack` followed by ``tril``.
+    """
+    _, lower = _triu_index(d, packed.device)
+    return packed.new_zeros(d * d).index_copy_(0, lower, packed).view(d, d)

@@ -9,7 +9,7 @@ from kfacflow.kfac.stages import EVERY_RANK
 from kfacflow.perf import Profile
 from kfacflow.registry import PLACEMENTS
 
-__all__ = ["EVERY_RANK", "lbp", "local", "round_robin", "schedule"]
+__all__ = ["EVERY_RANK", "inverse_phase", "lbp", "link", "local", "round_robin", "schedule"]
 
 
 def local(dims: Sequence[int], sizes: Sequence[int], world_size: int, profile: Profile | None) -> list[int]:
@@ -63,22 +63,117 @@ def lbp(dims: Sequence[int], sizes: Sequence[int], world_size: int, profile: Pro
     return owners
 
 
-def schedule(dims: list[int], owners: list[int], world_size: int, profile: Profile | None) -> list[int]:
+def schedule(
+    dims: Sequence[int],
+    owners: Sequence[int],
+    world_size: int,
+    profile: Profile | None,
+    ready: Sequence[float] | None = None,
+) -> list[int]:
     """Return the order in which every rank walks the factors when inverting (the same on all ranks).
 
-    Communicated tensors come first, each owner taking its own largest first, ordered by
-    their estimated finish time; then the non-communicated ones. So broadcasts start as early
-    as possible and overlap the inversions that follow, and every rank posts its broadcasts in
-    the same order (collectives on a group run in the order they are posted).
+    Communicated tensors come first, ordered by their estimated finish time; then the
+    non-communicated ones. So broadcasts start as early as possible and overlap the inversions
+    that follow, and every rank posts its broadcasts in the same order (collectives on a group
+    run in the order they are posted). Each owner takes its own largest first when every factor
+    is there from the start; given ``ready`` (when each factor is estimated to arrive, for a
+    pipeline that inverts as factors arrive), it takes them as they arrive, largest first among
+    those that arrive together, and the estimated finish counts the wait.
     """
     cost = profile.inverse if profile is not None else (lambda d: float(d) ** 3)
+    arrive = list(ready) if ready is not None else [0.0] * len(dims)
     busy = [0.0] * world_size
     finish: dict[int, float] = {}
-    for i in sorted((i for i, o in enumerate(owners) if o != EVERY_RANK), key=lambda i: (-dims[i], i)):
-        busy[owners[i]] += cost(dims[i])
+    communicated = (i for i, o in enumerate(owners) if o != EVERY_RANK)
+    for i in sorted(communicated, key=lambda i: (arrive[i], -dims[i], i)):
+        busy[owners[i]] = max(busy[owners[i]], arrive[i]) + cost(dims[i])
         finish[i] = busy[owners[i]]
     cts = sorted(finish, key=lambda i: (finish[i], owners[i], i))
-    return cts + [i for i, o in enumerate(owners) if o == EVERY_RANK]
+    return cts + sorted((i for i, o in enumerate(owners) if o == EVERY_RANK), key=lambda i: (arrive[i], i))
+
+
+def inverse_phase(
+    costs: Sequence[float], comms: Sequence[float], owners: Sequence[int], order: Sequence[int], world_size: int
+) -> tuple[list[float], list[float]]:
+    """Replay an inverse phase on one shared link: when each rank ends its inversions, when each broadcast arrives.
+
+    Every rank walks ``order`` and inverts what it owns and every NCT. A communicated factor's
+    broadcast is posted when its owner has inverted it, and the link carries one broadcast at a
+    time in ``order`` (collectives on a group run in the order they are posted), so a broadcast
+    waits for the ones before it. The simulator and :func:`link` both use this.
+
+    Args:
+        costs: Seconds to invert each factor.
+        comms: Seconds to broadcast each factor's inverse.
+        owners: The owner of each factor, or :data:`EVERY_RANK`.
+        order: The order of :func:`schedule`.
+        world_size: Number of ranks.
+
+    Returns:
+        Each rank's compute end, and the arrival time of each broadcast, in ``order`` (0 for NCTs).
+    """
+    own = [0.0] * world_size  # each rank's communicated inversions so far
+    shared = 0.0  # the NCTs so far, which every rank inverts: O(1) per factor, not O(P)
+    link_free = 0.0
+    arrivals = [0.0] * len(order)
+    for k, i in enumerate(order):
+        owner = owners[i]
+        if owner == EVERY_RANK:
+            shared += costs[i]
+            continue
+        own[owner] += costs[i]
+        link_free = max(link_free, own[owner] + shared) + comms[i]
+        arrivals[k] = link_free
+    return [x + shared for x in own], arrivals
+
+
+def link(dims: Sequence[int], sizes: Sequence[int], world_size: int, profile: Profile | None) -> list[int]:
+    """Link-aware placement: Algorithm 1's start, refined against a link that carries one broadcast at a time.
+
+    Algorithm 1 adds a broadcast to its owner's load as if broadcasts from different owners ran
+    in parallel; on one network they queue. Starting from :func:`lbp`'s owners, each
+    communicated factor (largest first) is tried as an NCT and on each of the two least-loaded
+    other ranks; a change is kept when the inverse phase replayed by :func:`inverse_phase` (the
+    last rank to finish its inversions, or the last broadcast to arrive) ends sooner. A
+    factor therefore stays communicated only when its broadcast fits into the link's idle time.
+
+    Raises:
+        UserError: Without performance models to estimate the times.
+    """
+    if profile is None:
+        raise UserError("kfac.placement=link needs performance models: set kfac.profile or let the run calibrate.")
+    owners = lbp(dims, sizes, world_size, profile)
+    if world_size == 1:
+        return owners
+    costs = [profile.inverse(d) for d in dims]
+    comms = [profile.broadcast(m) for m in sizes]
+
+    def span(candidate: list[int]) -> float:
+        order = schedule(list(dims), candidate, world_size, profile)
+        busy, arrivals = inverse_phase(costs, comms, candidate, order, world_size)
+        return max([*busy, *arrivals])
+
+    best = span(owners)
+    for _ in range(3):  # a few sweeps; each keeps only improvements, so the span never grows
+        improved = False
+        loads = [0.0] * world_size
+        for j, o in enumerate(owners):
+            if o != EVERY_RANK:
+                loads[o] += costs[j]
+        for i in sorted((i for i, o in enumerate(owners) if o != EVERY_RANK), key=lambda i: (-dims[i], i)):
+            others = sorted((r for r in range(world_size) if r != owners[i]), key=lambda r: (loads[r], r))[:2]
+            for option in (EVERY_RANK, *others):
+                candidate = [*owners[:i], option, *owners[i + 1 :]]
+                value = span(candidate)
+                if value < best - 1e-12:
+                    loads[owners[i]] -= costs[i]
+                    if option != EVERY_RANK:
+                        loads[option] += costs[i]
+                    owners, best, improved = candidate, value, True
+                    break
+        if not improved:
+            break
+    return owners
 
 
 PLACEMENTS.add("local", local, "every rank inverts every factor; no inverse traffic (D-KFAC)")
@@ -87,5 +182,11 @@ PLACEMENTS.add(
     "lbp",
     lbp,
     "Algorithm 1: largest first to the least-loaded rank; NCT where inverting beats sending",
+    needs_profile=True,
+)
+PLACEMENTS.add(
+    "link",
+    link,
+    "Algorithm 1 refined against one shared link: a factor stays communicated only where its broadcast fits",
     needs_profile=True,
 )

@@ -53,7 +53,15 @@ class KFACPrecondition:
             inverses: ``(A^-1, G^-1)`` per layer.
             lr: Current learning rate (KL clipping bounds the step, not the direction).
         """
-        updates = [precondition(g, a, gi) for g, (a, gi) in zip(grads, inverses, strict=True)]
+        updates = [self.layer(g, a, gi) for g, (a, gi) in zip(grads, inverses, strict=True)]
+        return self.finish(updates, grads, lr)
+
+    def layer(self, grad: Tensor, a_inv: Inverse, g_inv: Inverse) -> Tensor:
+        """Return ``G^-1 grad A^-1`` of one layer."""
+        return precondition(grad, a_inv, g_inv)
+
+    def finish(self, updates: list[Tensor], grads: list[Tensor], lr: float) -> list[Tensor]:
+        """Scale every layer's update by the KL clipping factor of them all."""
         scale = kl_clip_scale(list(zip(updates, grads, strict=True)), lr, self.kl_clip)
         if scale != 1.0:
             with torch.no_grad():

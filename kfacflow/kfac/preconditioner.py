@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from kfacflow import UserError
-from kfacflow.comm.base import Backend, Handle
+from kfacflow.comm.base import Backend, GradientAllreduce, Handle
 from kfacflow.config import KFACConfig
 from kfacflow.kfac.capture import Capture
-from kfacflow.kfac.fusion import Communicator
+from kfacflow.kfac.fusion import Communicator, estimated_arrivals
 from kfacflow.kfac.inverse import Inverse, warn_once
 from kfacflow.kfac.layers import KFACLayer, find_layers
 from kfacflow.kfac.packing import unpack
@@ -22,6 +24,16 @@ from kfacflow.perf import Profile
 from kfacflow.timing import StepTimer
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Send:
+    """A posted broadcast of one inverse: its slot, buffer, handle, and whether the owner keeps its own copy."""
+
+    slot: FactorSlot
+    flat: Tensor
+    handle: Handle
+    keep: bool
 
 
 class KFACPreconditioner:
@@ -71,6 +83,7 @@ class KFACPreconditioner:
         self.capture = Capture(self.layers, stages.factor, self.comm.push, self.timer, accumulate)
         self._root_hook = model.register_forward_hook(lambda module, inputs, output: self._forward_done(module))
         self.steps = 0
+        self._gradients: GradientAllreduce | None = None
         self.running: dict[str, Tensor] = {}
         """Running averages of the factors, packed (upper triangles): half the memory and work."""
         self.inverses: dict[str, Inverse] = {}
@@ -86,15 +99,34 @@ class KFACPreconditioner:
             len(self.slots),
         )
 
+    def reconfigure(self, stages: StageSet, profile: Profile | None = None) -> None:
+        """Run other stages from the next step on (between steps; the mathematics is the same).
+
+        ``profile`` replaces the planning profile (another inverse method has other costs).
+        """
+        self.stages = stages
+        self.profile = profile or self.profile
+        self.comm = Communicator(self.backend, stages.fusion, self.timer)
+        self.capture.push = self.comm.push
+        self._plan()
+
     def _plan(self) -> None:
         """Make a slot per factor of :attr:`layers` and decide who inverts each (again once unused layers are known)."""
         self.slots = [FactorSlot(layer, side) for layer in self.layers for side in ("A", "G")]  # type: ignore[arg-type]
         dims = [slot.dim for slot in self.slots]
-        sizes = [self.stages.invert.result.elements(d) for d in dims]
+        result, full = self.stages.invert.result, self.stages.broadcast.full
+        sizes = [result.full_elements(d) if full else result.elements(d) for d in dims]
         owners = self.stages.placement(dims, sizes, self.backend.world_size, self.profile)
         for slot, size, owner in zip(self.slots, sizes, owners, strict=True):
             slot.flat_size, slot.owner = size, owner
-        self.order = [self.slots[i] for i in schedule(dims, owners, self.backend.world_size, self.profile)]
+        self._schedule()
+
+    def _schedule(self, ready: dict[str, float] | None = None) -> None:
+        """Decide the order every rank inverts in (given when each factor is expected, for the arrival pipeline)."""
+        dims, owners = [slot.dim for slot in self.slots], [slot.owner for slot in self.slots]
+        times = [ready.get(slot.key, 0.0) for slot in self.slots] if ready else None
+        order = schedule(dims, owners, self.backend.world_size, self.profile, times)
+        self.order = [self.slots[i] for i in order]
 
     @property
     def keys(self) -> list[str]:
@@ -126,45 +158,63 @@ class KFACPreconditioner:
 
     # --- the step ------------------------------------------------------------------------------
 
-    def step(self, lr: float) -> None:
+    def step(self, lr: float, gradients: GradientAllreduce | None = None) -> None:
         """Update factors and inverses when due, then precondition every layer's gradient in place.
 
         Args:
             lr: The learning rate the optimizer will use (for KL clipping).
+            gradients: This step's gradient all-reduce when it is deferred (``kfac.grad_sync=deferred``):
+                launched once the factors are, waited for to precondition.
         """
-        if self._updates_factors():
-            averaged = self._collect()
-            with self.timer.span("FactorComp"):
-                self._update_factors(averaged)
-        if self.steps % self.cfg.inv_update_freq == 0:
-            self._update_inverses()
-        live = [(layer, g) for layer in self.layers if (g := layer.grad_matrix()) is not None]
-        inverses = [(self.inverses[f"{layer.name}/A"], self.inverses[f"{layer.name}/G"]) for layer, _ in live]
-        updates = self.stages.precondition([g for _, g in live], inverses, lr)
-        for (layer, _), update in zip(live, updates, strict=True):
-            layer.set_grad(update)
+        self._gradients = gradients
+        inverting = self.steps % self.cfg.inv_update_freq == 0
+        arrivals = self._arrivals() if self._updates_factors() else iter(())
+        if inverting and self.stages.pipeline.invert_on_arrival:
+            sends = self._invert_on_arrival(arrivals)
+        else:
+            for averaged in arrivals:
+                with self.timer.span("FactorComp"):
+                    self._update_factors(averaged)
+            sends = [send for slot in self.order if (send := self._invert(slot))] if inverting else []
+        self._precondition(lr, sends, gradients)
         self._next_step()
 
-    def skip_step(self) -> None:
+    def skip_step(self, gradients: GradientAllreduce | None = None) -> None:
         """Drop this step's factors (the step is skipped on every rank), keeping collectives in step."""
-        if self._updates_factors():
-            self._collect()
+        self._gradients = gradients
+        for _ in self._arrivals() if self._updates_factors() else ():
+            pass
+        if gradients is not None:
+            gradients.wait()
         self._next_step()
 
     def _next_step(self) -> None:
         self.steps += 1
         self.capture.active = self._updates_factors()
 
-    def _collect(self) -> dict[str, Tensor]:
-        """Hand over the factors still held, wait for the averages, learn which layers are used."""
+    def _arrivals(self) -> Iterator[dict[str, Tensor]]:
+        """Hand over the factors still held; yield each all-reduce's averages as it completes, in launch order.
+
+        On the first capturing step the layers that never ran are dropped here, before anything
+        is inverted.
+        """
         with self.timer.span("FactorComm"):
             dropped = self.capture.finish()
             self.comm.end_backward()
-            averaged = self.comm.wait()
-        self.capture.reset()
+            if self._gradients is not None:
+                self._gradients.launch()  # behind every factor on the link
         if dropped:
             self._keep_layers({layer.name for layer in self.capture.layers})
-        return averaged
+        groups = self.comm.arrivals()
+        while True:
+            with self.timer.span("FactorComm"):
+                averaged = next(groups, None)
+            if averaged is None:
+                break
+            yield averaged
+        self.capture.reset()
+        if self.stages.pipeline.invert_on_arrival:  # next step, invert in the order the factors come
+            self._schedule(estimated_arrivals(self.comm.groups, self.profile.allreduce if self.profile else None))
 
     def _keep_layers(self, names: set[str]) -> None:
         self.layers = [layer for layer in self.layers if layer.name in names]
@@ -192,32 +242,94 @@ class KFACPreconditioner:
         dims = {slot.key: slot.dim for slot in self.slots}
         return {k: unpack(v, dims[k]) for k, v in self.running.items()}
 
-    def _update_inverses(self) -> None:
-        """Invert owned factors; broadcast each communicated result as soon as it is ready."""
-        rank, damping, result = self.backend.rank, self.cfg.damping, self.stages.invert.result
-        sends: list[tuple[FactorSlot, Tensor, Handle]] = []
+    def _invert_on_arrival(self, arrivals: Iterator[dict[str, Tensor]]) -> list[_Send]:
+        """Invert in the placement's order, each factor as soon as its all-reduce has completed.
+
+        The order stays the placement's (communicated factors by estimated finish, then the rest)
+        because broadcasts run one after another in the order they are posted: a factor inverted
+        early but sent late would hold up every broadcast behind it.
+        """
+        arrived: set[str] = set()
+
+        def take(averaged: dict[str, Tensor]) -> None:
+            with self.timer.span("FactorComp"):
+                self._update_factors(averaged)
+            arrived.update(averaged)
+
+        sends: list[_Send] = []
+        for slot in self.order:
+            while slot.key not in arrived and (averaged := next(arrivals, None)) is not None:
+                take(averaged)
+            if send := self._invert(slot):
+                sends.append(send)
+        for averaged in arrivals:  # the rest (and the communicator's bookkeeping after the last)
+            take(averaged)
+        return sends
+
+    def _invert(self, slot: FactorSlot) -> _Send | None:
+        """Invert ``slot`` if this rank owns it (or every rank does); post its broadcast if it is communicated."""
+        keep = False
         with torch.no_grad():
-            for slot in self.order:
-                if slot.owner in (EVERY_RANK, rank):
-                    with self.timer.span("InverseComp", slot.key, "inverse"):
-                        inv = self.stages.invert(unpack(self.running[slot.key], slot.dim), damping)
-                    self.inverses[slot.key] = inv
-                    if slot.owner == EVERY_RANK:
-                        continue
-                    with self.timer.span("InverseComm", slot.key, "pack"):
-                        flat = inv.to_flat()
+            if slot.owner in (EVERY_RANK, self.backend.rank):
+                with self.timer.span("InverseComp", slot.key, "inverse"):
+                    inverse = self.stages.invert(unpack(self.running[slot.key], slot.dim), self.cfg.damping)
+                self.inverses[slot.key] = inverse
+                if slot.owner == EVERY_RANK:
+                    return None
+                if self.stages.broadcast.full:
+                    flat, keep = inverse.to_full(), inverse.full_exact()  # the owner's own bits travel
                 else:
-                    flat = self.running[slot.key].new_empty(slot.flat_size)
+                    with self.timer.span("InverseComm", slot.key, "pack"):
+                        flat = inverse.to_flat()
+                        keep = self.stages.broadcast.owner_keeps and inverse.round_trip_exact()
+            else:
+                flat = self.running[slot.key].new_empty(slot.flat_size)
+            with self.timer.span("InverseComm"):
+                handle = self.backend.broadcast_async(flat, slot.owner)
+        self.timer.on_done(handle, f"{slot.key} from {slot.owner}", "broadcast")
+        return _Send(slot, flat, handle, keep)
+
+    def _precondition(self, lr: float, sends: list[_Send], gradients: GradientAllreduce | None) -> None:
+        """Precondition every layer once its inverses are here (with the ``arrival`` pipeline, while others travel)."""
+        if gradients is not None:
+            with self.timer.span("GradComm"):
+                gradients.wait()
+        live = [(layer, g) for layer in self.layers if (g := layer.grad_matrix()) is not None]
+        waiting = {send.slot.key for send in sends}
+        updates: dict[str, Tensor] = {}
+        on_arrival = self.stages.pipeline.precondition_on_arrival
+
+        def apply_ready() -> None:
+            for layer, grad in live:
+                a_key, g_key = f"{layer.name}/A", f"{layer.name}/G"
+                if layer.name not in updates and a_key not in waiting and g_key not in waiting:
+                    t0 = self.timer.now()
+                    updates[layer.name] = self.stages.precondition.layer(
+                        grad, self.inverses[a_key], self.inverses[g_key]
+                    )
+                    self.timer.record(layer.name, "precondition", t0, self.timer.now())
+
+        if on_arrival:
+            apply_ready()
+        with torch.no_grad():
+            for send in sends:
                 with self.timer.span("InverseComm"):
-                    handle = self.backend.broadcast_async(flat, slot.owner)
-                self.timer.on_done(handle, f"{slot.key} from {slot.owner}", "broadcast")
-                sends.append((slot, flat, handle))
-            for slot, flat, handle in sends:
-                with self.timer.span("InverseComm"):
-                    handle.wait()
-                # The owner takes the broadcast copy too, so that every rank holds the same bits.
-                with self.timer.span("InverseComm", f"{slot.key} unpack", "pack"):
-                    self.inverses[slot.key] = result.unflat(flat, slot.dim)
+                    send.handle.wait()
+                if not send.keep:  # every rank holds the same bits: the broadcast copy
+                    result = self.stages.invert.result
+                    if self.stages.broadcast.full:
+                        self.inverses[send.slot.key] = result.from_full(send.flat, send.slot.dim)
+                    else:
+                        with self.timer.span("InverseComm", f"{send.slot.key} unpack", "pack"):
+                            self.inverses[send.slot.key] = result.unflat(send.flat, send.slot.dim)
+                waiting.discard(send.slot.key)
+                if on_arrival:
+                    apply_ready()
+        apply_ready()
+        grads = [g for _, g in live]
+        final = self.stages.precondition.finish([updates[layer.name] for layer, _ in live], grads, lr)
+        for (layer, _), update in zip(live, final, strict=True):
+            layer.set_grad(update)
 
     # --- checkpoints ------------------------------------------------------------------------------
 

@@ -66,7 +66,8 @@ class Inverse(ABC):
 
     def __init_subclass__(cls) -> None:
         super().__init_subclass__()
-        Inverse.kinds[cls.kind] = cls
+        if "kind" in cls.__dict__:  # a shared base of kinds names none
+            Inverse.kinds[cls.kind] = cls
 
     @property
     @abstractmethod
@@ -88,6 +89,28 @@ class Inverse(ABC):
     @abstractmethod
     def to_flat(self) -> Tensor:
         """Return one vector to broadcast."""
+
+    def to_full(self) -> Tensor:
+        """Return the vector a ``full`` broadcast sends (by default :meth:`to_flat`'s)."""
+        return self.to_flat()
+
+    def full_exact(self) -> bool:
+        """Whether :meth:`from_full` of :meth:`to_full` is this inverse, bits and layout (then its owner keeps it)."""
+        return False
+
+    @classmethod
+    def full_elements(cls, d: int) -> int:
+        """Return the length of :meth:`to_full` for a d x d factor."""
+        return cls.elements(d)
+
+    @classmethod
+    def from_full(cls, flat: Tensor, d: int) -> Inverse:
+        """Rebuild one from :meth:`to_full`'s vector."""
+        return cls.unflat(flat, d)
+
+    def round_trip_exact(self) -> bool:
+        """Whether :meth:`unflat` of :meth:`to_flat` gives this inverse back bit for bit, in the same layout."""
+        return False
 
     @classmethod
     @abstractmethod
@@ -198,8 +221,12 @@ class InverseMethod(Protocol):
 class PreconditionStage(Protocol):
     """Stage *precondition*: the update of every layer from its gradient and its two inverses."""
 
-    def __call__(self, grads: list[Tensor], inverses: list[tuple[Inverse, Inverse]], lr: float) -> list[Tensor]:
-        """Return one update per layer (``(g_dim, a_dim)``), for learning rate ``lr``."""
+    def layer(self, grad: Tensor, a_inv: Inverse, g_inv: Inverse) -> Tensor:
+        """Return one layer's update direction (``(g_dim, a_dim)``)."""
+        ...
+
+    def finish(self, updates: list[Tensor], grads: list[Tensor], lr: float) -> list[Tensor]:
+        """Return the updates of every layer after what depends on all of them (e.g. KL clipping)."""
         ...
 
 
@@ -215,6 +242,53 @@ class Variant:
     placement: str = "local"
     inverse: str = "cholesky"
     preconditioned: bool = True
+    pipeline: str = "barrier"
+    broadcast: str = "packed"
+    grad_sync: str = "overlap"
+    choose: bool = False
+    """Start with these stages, then simulate every preset on a traced step and keep the fastest."""
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """When a step's inversions and preconditioning start (``kfac.pipeline``).
+
+    The paper's order is a barrier after each phase: every factor arrives, then every inverse
+    is computed and broadcast, then every layer is preconditioned. On arrival, a factor is
+    averaged into its running average and inverted as soon as its own all-reduce completes (in
+    the placement's order), and a layer is preconditioned as soon as both its inverses are here.
+    """
+
+    invert_on_arrival: bool
+    precondition_on_arrival: bool
+
+
+@dataclass(frozen=True)
+class Broadcast:
+    """What travels for a broadcast inverse, and how its owner holds it (``kfac.broadcast``).
+
+    Every rank must hold the same bits. ``packed``: the packed upper triangle, and every rank,
+    the owner too, unpacks the broadcast copy. ``owner_keeps``: the same, but the owner keeps
+    its own inverse when unpacking would give it back bit for bit (a dense inverse that is
+    exactly symmetric). ``full``: the whole matrix, twice the bytes, sent from the owner's own
+    memory and used by the others where it lands: no packing, no unpacking.
+    """
+
+    owner_keeps: bool
+    full: bool = False
+
+
+@dataclass(frozen=True)
+class GradSync:
+    """When gradients are averaged over ranks (``kfac.grad_sync``).
+
+    ``overlap``: during the backward pass (DDP's buckets, Horovod's hooks), before K-FAC starts.
+    ``deferred``: after the backward pass, on the K-FAC process group behind the factor
+    all-reduces, so that the link carries what gates the next phase first; the step waits for
+    the gradients only to precondition.
+    """
+
+    deferred: bool
 
 
 @dataclass
@@ -226,3 +300,5 @@ class StageSet:
     placement: Placement
     invert: InverseMethod
     precondition: PreconditionStage
+    pipeline: Pipeline = Pipeline(invert_on_arrival=False, precondition_on_arrival=False)
+    broadcast: Broadcast = Broadcast(owner_keeps=False)

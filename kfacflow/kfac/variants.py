@@ -8,7 +8,7 @@ from kfacflow.config import KFACConfig
 from kfacflow.kfac.stages import Variant
 from kfacflow.registry import VARIANTS
 
-__all__ = ["Stages", "Variant", "resolve"]
+__all__ = ["PRESETS", "Stages", "Variant", "resolve"]
 
 
 @dataclass(frozen=True)
@@ -19,20 +19,42 @@ class Stages:
     placement: str
     inverse: str
     preconditioned: bool
+    pipeline: str = "barrier"
+    broadcast: str = "packed"
+    grad_sync: str = "overlap"
+    choose: bool = False
 
 
 def resolve(cfg: KFACConfig) -> Stages:
-    """Return the stages of ``cfg.variant`` with any explicit ``kfac.fusion/placement/inverse`` winning."""
+    """Return the stages of ``cfg.variant`` with any explicit ``kfac.<stage>`` choice winning."""
     v = VARIANTS.get(cfg.variant)
     return Stages(
         fusion=cfg.fusion or v.fusion,
         placement=cfg.placement or v.placement,
         inverse=cfg.inverse or v.inverse,
         preconditioned=v.preconditioned,
+        pipeline=cfg.pipeline or v.pipeline,
+        broadcast=cfg.broadcast or v.broadcast,
+        grad_sync=(cfg.grad_sync or v.grad_sync) if v.preconditioned else "overlap",
+        choose=v.choose,
     )
 
 
 VARIANTS.add("spd", Variant("optimal", "lbp"), "SPD-KFAC: pipelined factor all-reduce with Eq. 15 fusion, LBP inverses")
 VARIANTS.add("mpd", Variant("after_backward", "round_robin"), "MPD-KFAC: factors after backward, inverses round robin")
 VARIANTS.add("d", Variant(), "D-KFAC: factors all-reduced after backward, every rank inverts everything")
+VARIANTS.add(
+    "flow",
+    Variant("optimal", "link", "cholesky_factor", pipeline="arrival", broadcast="full", grad_sync="deferred"),
+    "past the paper: SPD's fusion, link-aware placement, Cholesky factors sent whole, inversion and "
+    "preconditioning as data arrive, gradients behind the inversions",
+)
+VARIANTS.add(
+    "auto",
+    Variant(choose=True),
+    "D-KFAC for two steps, then the preset the simulator finds fastest on the second, traced step",
+)
 VARIANTS.add("sgd", Variant(preconditioned=False), "no preconditioner: the first-order optimizer alone")
+
+PRESETS = ("d", "mpd", "spd", "flow")
+"""The presets ``auto`` chooses from."""

@@ -1,0 +1,61 @@
+"""``kfac.variant=auto``: simulate every preset on a traced step of this run and keep the fastest.
+
+The presets compute the same mathematics, so switching after a few steps changes only time.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from kfacflow.config import KFACConfig
+from kfacflow.kfac.variants import PRESETS, Stages, resolve
+from kfacflow.perf import Profile
+from kfacflow.simulation import simulate
+
+logger = logging.getLogger(__name__)
+
+TRACED_STEP = 2
+"""The step ``auto`` traces and simulates from (the first one warms up)."""
+
+
+def preset_config(cfg: DictConfig, name: str) -> KFACConfig:
+    """Return the ``kfac`` section with ``variant=name`` (explicit stage choices of the recipe still win).
+
+    Under Horovod, whose optimizer averages gradients in the backward pass, gradients stay there.
+    """
+    section = OmegaConf.to_object(cfg.kfac)
+    assert isinstance(section, KFACConfig)
+    if cfg.dist.backend == "horovod" and section.grad_sync is None:
+        section = replace(section, grad_sync="overlap")
+    return replace(section, variant=name)
+
+
+def choose(
+    layers: dict[str, Any],
+    profile: Profile,
+    world_size: int,
+    cfg: DictConfig,
+) -> tuple[str, Stages]:
+    """Simulate every preset on ``layers`` (this run's traced step) and ``profile``; return the fastest.
+
+    Every preset runs the recipe's explicit stage choices, as it would if named; inversions traced
+    with another method than a preset's are rescaled by the profile's models of both. The table
+    is logged.
+    """
+    totals = {}
+    for name in PRESETS:
+        stages = resolve(preset_config(cfg, name))
+        totals[name] = simulate(layers, profile, world_size, stages, threshold_mb=cfg.kfac.fusion_threshold_mb)["total"]
+    best = min(totals, key=lambda name: (totals[name], PRESETS.index(name)))
+    table = ", ".join(f"{name} {seconds:.3f} s" for name, seconds in totals.items())
+    logger.info("kfac.variant=auto: simulated steps %s; using %s", table, best)
+    return best, resolve(preset_config(cfg, best))
+
+
+def methods(cfg: DictConfig) -> set[str]:
+    """The inverse methods of every preset ``auto`` chooses from."""
+    return {resolve(preset_config(cfg, name)).inverse for name in PRESETS}

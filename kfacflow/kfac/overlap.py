@@ -1,0 +1,33 @@
+"""How a step overlaps its phases: the pipeline, the owner's copy of a broadcast inverse, the gradient all-reduce.
+
+None of these changes the mathematics: every combination gives the parameters of D-KFAC
+(``tests/test_stage_equivalence.py``); they change when work starts and what waits for what.
+"""
+
+from __future__ import annotations
+
+from kfacflow.kfac.stages import Broadcast, GradSync, Pipeline
+from kfacflow.registry import BROADCASTS, GRAD_SYNCS, PIPELINES
+
+PIPELINES.add("barrier", Pipeline(False, False), "all factors, then all inverses, then every layer (the paper)")
+PIPELINES.add("invert_on_arrival", Pipeline(True, False), "each factor inverted as soon as its all-reduce completes")
+PIPELINES.add(
+    "arrival",
+    Pipeline(True, True),
+    "each factor inverted as soon as its all-reduce completes, each layer preconditioned once its inverses arrive",
+)
+BROADCASTS.add("packed", Broadcast(owner_keeps=False), "every rank, the owner too, unpacks the broadcast copy")
+BROADCASTS.add(
+    "owner_keeps", Broadcast(owner_keeps=True), "the owner keeps its inverse where the unpacked copy would be bit-equal"
+)
+BROADCASTS.add(
+    "full",
+    Broadcast(owner_keeps=True, full=True),
+    "whole matrices: twice the bytes, no packing or unpacking on any rank",
+)
+GRAD_SYNCS.add("overlap", GradSync(deferred=False), "gradients all-reduced during backward (DDP, Horovod)")
+GRAD_SYNCS.add(
+    "deferred",
+    GradSync(deferred=True),
+    "gradients all-reduced after backward, behind the factors, awaited to precondition",
+)
