@@ -198,7 +198,7 @@ class KFACConfig:
     """K-FAC: the variant preset and the four stage choices it fills, and hyperparameters."""
 
     variant: str = "d"
-    """A preset (`--list variant`): ``spd``, ``mpd``, ``d``, ``flow`` or ``sgd`` (no preconditioner)."""
+    """A preset (`--list variant`): ``spd``, ``mpd``, ``d``, ``flow``, ``auto`` or ``sgd`` (no preconditioner)."""
     factor: str = "expand"
     """How Conv2d factors treat spatial positions (`--list factor`)."""
     fusion: Optional[str] = None

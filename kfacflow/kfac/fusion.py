@@ -157,7 +157,12 @@ def plan_launches(
     """
     passes = ((forward, forward[0].time if forward else 0.0), (backward, forward_end))
     if policy.measure_steps:
-        policy.learn([[(r.key, r.time - start, r.elements) for r in items] for items, start in passes])
+        level = logger.level
+        logger.setLevel(max(level, logging.WARNING))  # a simulated plan is not the run's: keep it out of the log
+        try:
+            policy.learn([[(r.key, r.time - start, r.elements) for r in items] for items, start in passes])
+        finally:
+            logger.setLevel(level)
     grouper = Grouper(policy)
     launches: list[tuple[float, list[str]]] = []
     ends = ((forward, forward_end, grouper.end_forward), (backward, backward_end, grouper.end_backward))
