@@ -12,7 +12,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kfacflow.config import KFACConfig
-from kfacflow.kfac.variants import PRESETS, Stages, resolve
+from kfacflow.kfac.variants import PRESETS, resolve
 from kfacflow.perf import Profile
 from kfacflow.simulation import simulate
 
@@ -39,8 +39,8 @@ def choose(
     profile: Profile,
     world_size: int,
     cfg: DictConfig,
-) -> tuple[str, Stages]:
-    """Simulate every preset on ``layers`` (this run's traced step) and ``profile``; return the fastest.
+) -> str:
+    """Simulate every preset on ``layers`` (this run's traced step) and ``profile``; return the fastest's name.
 
     Every preset runs the recipe's explicit stage choices, as it would if named; inversions traced
     with another method than a preset's are rescaled by the profile's models of both. The table
@@ -53,7 +53,7 @@ def choose(
     best = min(totals, key=lambda name: (totals[name], PRESETS.index(name)))
     table = ", ".join(f"{name} {seconds:.3f} s" for name, seconds in totals.items())
     logger.info("kfac.variant=auto: simulated steps %s; using %s", table, best)
-    return best, resolve(preset_config(cfg, best))
+    return best
 
 
 def methods(cfg: DictConfig) -> set[str]:

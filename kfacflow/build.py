@@ -201,6 +201,11 @@ def preconditioner(
     return KFACPreconditioner(model, cfg, stages(cfg, names, profile), backend, planning, timer, accumulate)
 
 
+def deferred_gradients(names: Stages, world_size: int) -> bool:
+    """Whether gradients are all-reduced behind the factors by kfacflow (not by DDP in the backward pass)."""
+    return world_size > 1 and registry.GRAD_SYNCS.get(names.grad_sync).deferred
+
+
 def profile(cfg: DictConfig, backend: Backend, run_dir: Path, dtype: torch.dtype) -> Profile:
     """Load the recipe's profile (or the resumed run's), else calibrate now and save it in the run folder."""
     path = cfg.kfac.profile or (run_dir / PROFILE if (run_dir / PROFILE).is_file() else None)
@@ -274,8 +279,7 @@ def training(cfg: DictConfig, backend: Backend, run_dir: Path, timer: StepTimer)
     kfac = None
     if names.preconditioned:
         prof = profile(cfg, backend, run_dir, dtype) if needs_profile(names) else None
-        planning = prof.for_method(names.inverse) if prof is not None else None
-        kfac = KFACPreconditioner(model, cfg.kfac, stages(cfg.kfac, names, prof), backend, planning, timer, accumulate)
+        kfac = preconditioner(model, cfg.kfac, backend, prof, timer, accumulate)
     net = backend.wrap_model(model)
     optimizer = backend.wrap_optimizer(build_optimizer(model.parameters(), cfg.optim), model, accumulate)
     loader, sampler = train_loader(train_set, cfg.data.batch_size, rank, world, cfg.train.seed, cfg.data.workers)
@@ -289,7 +293,7 @@ def training(cfg: DictConfig, backend: Backend, run_dir: Path, timer: StepTimer)
         )
     scheduler = build_scheduler(optimizer, cfg.schedule, steps_per_epoch, total)
     seed_all(cfg.train.seed + 1 + rank)  # per-rank streams for dropout and augmentation
-    deferred = kfac is not None and registry.GRAD_SYNCS.get(names.grad_sync).deferred and world > 1
+    deferred = kfac is not None and deferred_gradients(names, world)
     return Training(
         model, net, kfac, optimizer, scheduler, loader, sampler, val_loader, info, names, dtype,
         steps_per_epoch, total, state, deferred,

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import Tensor
 
-from kfacflow import StorageError, TrainingError, UserError, auto, build, registry, rundir
+from kfacflow import StorageError, TrainingError, UserError, auto, build, rundir
 from kfacflow.build import Training
 from kfacflow.comm.base import Backend, GradientAllreduce
 from kfacflow.consistency import all_finite, check_replicas
@@ -327,14 +327,14 @@ class Trainer:
             if self.rank == 0:
                 batch = self.cfg.data.batch_size
                 profile = layer_profile(events, layers, parts, self.world, batch, self.stages.inverse)
-                name = auto.choose(profile, self.kfac.profile, self.world, self.cfg)[0]
-            name = self.backend.broadcast_object(name)
-            self.variant, self.stages = name, resolve(auto.preset_config(self.cfg, name))
-            chosen = auto.preset_config(self.cfg, name)
+                name = auto.choose(profile, self.kfac.profile, self.world, self.cfg)
+            self.variant = self.backend.broadcast_object(name)
+            chosen = auto.preset_config(self.cfg, self.variant)
+            self.stages = resolve(chosen)
             self.kfac.reconfigure(
                 build.stages(chosen, self.stages, self.kfac.profile), self.kfac.profile.for_method(self.stages.inverse)
             )
-            self.deferred = self.world > 1 and registry.GRAD_SYNCS.get(self.stages.grad_sync).deferred
+            self.deferred = build.deferred_gradients(self.stages, self.world)
 
     def _evaluate(self, epoch: float) -> None:
         with self.timer.outside(), torch.no_grad():

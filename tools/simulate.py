@@ -84,8 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     build.load_plugins()
     try:
-        for v in args.variants.split(","):
-            stages_of(v)
+        chosen = {v: stages_of(v) for v in args.variants.split(",")}
     except UserError as e:
         raise SystemExit(f"error: --variants: {e}") from None
     try:
@@ -112,10 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'P':>4} {'variant':<22} {'total':>8} " + " ".join(f"{c:>11}" for c in PARTS))
     for workers in (int(w) for w in args.workers.split(",")):
         totals = {}
-        for v in args.variants.split(","):
-            parts = simulate(
-                layers, profile, workers, stages_of(v), args.inverse == "measured", args.fusion_threshold_mb
-            )
+        for v, stages in chosen.items():
+            parts = simulate(layers, profile, workers, stages, args.inverse == "measured", args.fusion_threshold_mb)
             results.append({"workers": workers, "variant": v, **parts})
             totals[v] = parts["total"]
             cols = " ".join(f"{parts[c]:>11.3f}" for c in PARTS)
@@ -123,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         # The bound of each inverse method's work (flow's Cholesky factors are cheaper to compute).
         bounds = {
             method: lower_bound(layers, profile, workers, args.inverse == "measured", method)
-            for method in dict.fromkeys(stages_of(v).inverse for v in totals)
+            for method in dict.fromkeys(stages.inverse for stages in chosen.values())
         }
         for method, bound in bounds.items():
             results.append({"workers": workers, "variant": "lower bound", "inverse": method, "total": bound})
@@ -133,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             label = f"lower bound ({method})" if method else "lower bound"
             print(f"{workers:>4} {label:<22} {bound:>8.3f}")
         pairs = ratio_pairs(totals)
-        to_bound = {v: totals[v] / bounds[stages_of(v).inverse] for v in ("spd", "flow") if v in totals}
+        to_bound = {v: totals[v] / bounds[chosen[v].inverse] for v in ("spd", "flow") if v in totals}
         if pairs or to_bound:
             ratios = [f"{a}/{b} {totals[a] / totals[b]:.3f}" for a, b in pairs]
             print(f"{'':>4} " + "  ".join(ratios + [f"{v}/bound {r:.3f}" for v, r in to_bound.items()]))
