@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import signal
 import statistics
 import subprocess
@@ -128,6 +129,9 @@ def collect(run_root: Path, warmup: int) -> dict[str, Any]:
     run_dir = max((p for p in (run_root / "run").iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)
     steps = [json.loads(line) for line in (run_dir / "timings.jsonl").read_text().splitlines()]
     kept = steps[warmup:]
+    # Nothing reads a bench run's checkpoints again, and with K-FAC state they are large (0.5 GB for
+    # ResNet-50): a comparison of a dozen runs would otherwise fill a small disk.
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     return {"run_dir": str(run_dir), "steps": kept, "sum_s": sum(s["total"] for s in steps)}
 
 
