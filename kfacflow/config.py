@@ -210,7 +210,8 @@ class KFACConfig:
     pipeline: Optional[str] = None
     """When inversion and preconditioning start (`--list pipeline`); empty takes the variant's."""
     broadcast: Optional[str] = None
-    """How a broadcast inverse is held on its owner (`--list broadcast`); empty takes the variant's."""
+    """What an owner sends (an inverse, or a layer's update) and how it holds it (`--list broadcast`); empty
+    takes the variant's."""
     grad_sync: Optional[str] = None
     """When gradients are all-reduced (`--list grad_sync`): in backward, or behind the inversions; empty takes
     the variant's."""

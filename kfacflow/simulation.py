@@ -7,6 +7,8 @@ policy (:func:`kfacflow.kfac.fusion.plan_launches`), placement and inversion ord
 order they are posted; then each rank updates its factors, inverts what it owns in the order
 the pipeline gives (after the last factor, or as each arrives), posts and receives broadcasts,
 unpacks them, and preconditions (after the last inverse, or layer by layer as they arrive).
+With ``kfac.broadcast=update`` no inverse travels: each rank inverts and preconditions the
+layers it owns, and their updates are broadcast in the shared layer order.
 Communication is re-scaled from the profile's world size to P with the ring model: an
 all-reduce of m elements costs 2(P-1) start-ups and 2(P-1)/P m elements per worker, a broadcast
 (NCCL's pipelined ring) P-1 start-ups and m elements. Compute per worker does not change with P.
@@ -21,7 +23,7 @@ from kfacflow import registry
 from kfacflow.kfac import inverse, overlap  # noqa: F401  (they register the entries looked up below)
 from kfacflow.kfac.fusion import Ready, estimated_arrivals, plan_launches
 from kfacflow.kfac.packing import packed_size
-from kfacflow.kfac.placement import EVERY_RANK, schedule
+from kfacflow.kfac.placement import EVERY_RANK, by_layer, layer_order, schedule
 from kfacflow.kfac.stages import FusionOptions
 from kfacflow.kfac.variants import Stages
 from kfacflow.perf import LinearModel, Profile
@@ -187,6 +189,8 @@ def _inverse_phase(
     costs = inverse_costs(rows, prof, use_measured)
     result = registry.INVERSES.get(stages.inverse).result
     broadcast = registry.BROADCASTS.get(stages.broadcast)
+    if broadcast.update:
+        return _update_phase(rows, measured, prof, workers, stages, costs, bwd, hooks, ffbp)
     sizes = [result.full_elements(d) if broadcast.full else result.elements(d) for d in dims]
     # Whole matrices travel from the owner's memory and are used where they land: no (un)packing.
     pack = [0.0] * len(dims) if broadcast.full else per_element(rows, sizes, "t_pack")
@@ -227,8 +231,7 @@ def _inverse_phase(
             owner.t += pack[i]
             sends.append((i, link.send(owner.t, prof.broadcast(sizes[i])) if workers > 1 else owner.t))
     # Preconditioning: every layer once both of its inverses are here (and the gradients).
-    cost = {r["name"]: r.get("t_precondition") or 0.0 for r in rows}
-    rest = max(0.0, measured.get("Other", 0.0) - sum(cost.values()))
+    cost, rest = precondition_costs(rows, measured)
     for r, rank in enumerate(ranks):
         rank.wait(grads_done, "GradComm")
         waiting = {keys[i] for i, _ in sends}
@@ -266,6 +269,87 @@ def _inverse_phase(
     parts["Other"] = last.t + rest - sum(parts.values())
     parts["total"] = last.t + rest
     return parts
+
+
+def _update_phase(
+    rows: list[dict[str, Any]],
+    measured: dict[str, float],
+    prof: Profile,
+    workers: int,
+    stages: Stages,
+    costs: list[float],
+    bwd: _Backward,
+    hooks: float,
+    ffbp: float,
+) -> dict[str, float]:
+    """``kfac.broadcast=update``: each rank inverts and preconditions its own layers; the updates travel.
+
+    Every rank averages each factor as it arrives and inverts the ones it holds (its layers' and
+    the NCTs') in arrival order (after the last factor with the barrier pipeline). Then, after
+    the gradients, it walks the shared layer order: it preconditions its own and the NCT layers,
+    posting each own update's broadcast, and the link carries them in that order.
+    """
+    keys = [f"{r['name']}/{side}" for r in rows for side in ("A", "G")]
+    dims = [d for r in rows for d in (r["a_dim"], r["g_dim"])]
+    sizes = [r["a_dim"] * r["g_dim"] for r in rows for _ in (0, 1)]
+    owners = by_layer(dims, registry.PLACEMENTS.get(stages.placement)(dims, sizes, workers, prof))
+    update_total = max(0.0, measured.get("FactorComp", hooks) - hooks)
+    packed = [packed_size(d) for d in dims]
+    update = [update_total * m / (sum(packed) or 1) for m in packed]
+    on_arrival = registry.PIPELINES.get(stages.pipeline).invert_on_arrival
+    start = bwd.start
+    here = [bwd.arrival.get(k, start) for k in keys]
+    if not on_arrival:
+        here = [max([start, *here])] * len(keys)
+    ranks = [_Rank(start) for _ in range(workers)]
+    for i in sorted(range(len(keys)), key=lambda i: (here[i], i)):
+        for r, rank in enumerate(ranks):
+            rank.wait(here[i], "FactorComm")
+            rank.t += update[i]
+            if owners[i] in (EVERY_RANK, r):
+                rank.t += costs[i]
+                rank.inverse += costs[i]
+    cost, rest = precondition_costs(rows, measured)
+    done: list[tuple[int, float]] = []  # communicated layers and when their owner has the update
+    for rank in ranks:
+        rank.wait(bwd.grads_done, "GradComm")
+    for j in layer_order(dims, owners, workers, prof):
+        owner = owners[2 * j]
+        for r, rank in enumerate(ranks):
+            if owner in (EVERY_RANK, r):
+                rank.t += cost[rows[j]["name"]]
+        if owner != EVERY_RANK:
+            done.append((j, ranks[owner].t))
+    ends = [bwd.link.send(t, prof.broadcast(sizes[2 * j])) if workers > 1 else t for j, t in done]
+    for rank in ranks:
+        rank.wait(max(ends, default=0.0), "InverseComm")
+    last = max(ranks, key=lambda rank: rank.t)
+    waits = last.waits or {}
+    parts = {
+        "FF&BP": ffbp,
+        "GradComm": bwd.grad_comm + waits.get("GradComm", 0.0),
+        "FactorComp": hooks + update_total,
+        "FactorComm": waits.get("FactorComm", 0.0),
+        "InverseComp": last.inverse,
+        "InverseComm": waits.get("InverseComm", 0.0),
+    }
+    parts["Other"] = last.t + rest - sum(parts.values())
+    parts["total"] = last.t + rest
+    return parts
+
+
+def precondition_costs(rows: list[dict[str, Any]], measured: dict[str, float]) -> tuple[dict[str, float], float]:
+    """Seconds to precondition each layer, and the rest of the traced step's ``Other``.
+
+    A layer the traced rank did not precondition (another rank owned it) gets the traced seconds
+    per multiply-add, ``a g (a + g)``, of those it did; what the traced rank did precondition is
+    taken out of ``Other``, and the remainder is the step's other work.
+    """
+    flops = {r["name"]: r["a_dim"] * r["g_dim"] * (r["a_dim"] + r["g_dim"]) for r in rows}
+    traced = {r["name"]: r["t_precondition"] for r in rows if r.get("t_precondition") is not None}
+    rate = sum(traced.values()) / (sum(flops[n] for n in traced) or 1)
+    rest = max(0.0, measured.get("Other", 0.0) - sum(traced.values()))
+    return {n: traced.get(n, rate * f) for n, f in flops.items()}, rest
 
 
 def per_element(rows: list[dict[str, Any]], sizes: list[int], field: str) -> list[float]:
@@ -321,11 +405,18 @@ def scale_compute(layers: dict[str, Any], factor: float) -> dict[str, Any]:
 
 
 def lower_bound(
-    layers: dict[str, Any], profile: Profile, workers: int, use_measured: bool = True, method: str | None = None
+    layers: dict[str, Any],
+    profile: Profile,
+    workers: int,
+    use_measured: bool = True,
+    method: str | None = None,
+    shared_precondition: bool = False,
 ) -> float:
     """All communication hidden; inverses perfectly balanced over the workers and free to share.
 
     ``method``: the inverse method whose work is bounded (default: the traced one).
+    ``shared_precondition``: the preconditioning is shared out too (``kfac.broadcast=update``),
+    perfectly balanced; otherwise every rank preconditions every layer.
     """
     if method is not None:
         if use_measured:
@@ -335,7 +426,9 @@ def lower_bound(
     hooks, ffbp = measured_compute(layers)
     factor_comp = max(measured.get("FactorComp", hooks), hooks)
     inverses = sum(inverse_costs(layers["layers"], profile, use_measured))
-    return ffbp + factor_comp + inverses / workers + measured.get("Other", 0.0)
+    cost, rest = precondition_costs(layers["layers"], measured)
+    precondition = sum(cost.values()) / (workers if shared_precondition else 1)
+    return ffbp + factor_comp + inverses / workers + precondition + rest
 
 
 def with_method(layers: dict[str, Any], profile: Profile, method: str) -> dict[str, Any]:

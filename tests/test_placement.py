@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kfacflow import UserError
-from kfacflow.kfac.placement import EVERY_RANK, lbp, local, round_robin
+from kfacflow.kfac.placement import EVERY_RANK, by_layer, layer, layer_order, lbp, local, round_robin
 from kfacflow.perf import InverseModel, LinearModel, Profile
 
 
@@ -98,3 +98,27 @@ def test_link_aware_placement_keeps_a_factor_local_when_its_broadcast_would_queu
     assert link(DIMS, SIZES, 1, profile(0.4)) == [EVERY_RANK] * 4
     with pytest.raises(UserError, match="kfac.placement=link"):
         link(DIMS, SIZES, 2, None)
+
+
+def test_layer_placement_gives_whole_layers_and_keeps_cheap_ones_everywhere() -> None:
+    # Two layers, (A 10, G 7) and (A 8, G 9). Work: inverses plus a preconditioning costed as an
+    # inversion of side (a g (a + g))^(1/3): 1.0 + 0.343 + 1.19 = 2.533 s and 0.512 + 0.729 + 1.224 = 2.465 s.
+    assert layer(DIMS, [70, 70, 72, 72], 2, profile(0.0)) == [0, 0, 1, 1]
+    # A 2.5 s broadcast: the second layer is cheaper to compute on every rank than to send.
+    assert layer(DIMS, [70, 70, 72, 72], 2, profile(2.5)) == [0, 0, EVERY_RANK, EVERY_RANK]
+    assert layer(DIMS, [70, 70, 72, 72], 1, profile(0.0)) == [EVERY_RANK] * 4
+    with pytest.raises(UserError, match="kfac.placement=layer needs performance models"):
+        layer(DIMS, [70, 70, 72, 72], 2, None)
+
+
+def test_by_layer_puts_both_factors_with_the_larger_communicated_one() -> None:
+    assert by_layer(DIMS, [0, EVERY_RANK, EVERY_RANK, 1]) == [0, 0, 1, 1]
+    assert by_layer(DIMS, [EVERY_RANK, 1, 0, 1]) == [1, 1, 1, 1]  # A 10 is an NCT: G's owner takes it
+    assert by_layer(DIMS, [EVERY_RANK] * 4) == [EVERY_RANK] * 4
+
+
+def test_layer_order_interleaves_owners_by_estimated_finish_and_puts_shared_layers_last() -> None:
+    # Preconditioning estimates (1e-3 a g (a + g)): (10, 7) 1.19 s, (8, 9) 1.224 s, (2, 2) 0.016 s, (3, 3) 0.054 s.
+    dims = [10, 7, 8, 9, 2, 2, 3, 3]
+    # Rank 0 owns the first and third layers (costliest first: 1.19, then 1.206), rank 1 the second (1.224).
+    assert layer_order(dims, [0, 0, 1, 1, 0, 0, EVERY_RANK, EVERY_RANK], 2, profile(0.0)) == [0, 2, 1, 3]

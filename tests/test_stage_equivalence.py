@@ -16,6 +16,7 @@ from kfacflow import build
 from kfacflow.comm.base import GradientAllreduce
 from kfacflow.comm.torch_dist import TorchBackend
 from kfacflow.config import DistConfig, KFACConfig
+from kfacflow.kfac.inverse import Inverse
 from kfacflow.kfac.placement import EVERY_RANK
 from kfacflow.kfac.variants import resolve
 from kfacflow.perf import InverseModel, LinearModel, Profile
@@ -89,9 +90,15 @@ def train(
         opt.step()
         opt.zero_grad()
     pre.remove()
+    held = sorted(pre.inverses)
+    # A checkpoint's inverses: with kfac.broadcast=update the owners send theirs here (collective).
+    saved = pre.state_dict()["inverses"]
     return {
         "params": [p.detach().clone() for p in model.parameters()],
-        "inverses": {k: v.dense().clone() for k, v in pre.inverses.items()},
+        "inverses": {k: Inverse.restore(kind, ts).dense().clone() for k, (kind, ts) in saved.items()},
+        "saved": {k: [t.clone() for t in ts] for k, (_, ts) in saved.items()},
+        "held": held,
+        "keys": pre.keys,
         "owners": pre.owners,
         "plan": getattr(pre.comm, "plan", None),
     }
@@ -109,12 +116,23 @@ OVERLAPS = [
     for broadcast in ("packed", "owner_keeps", "full")
     for grad_sync in ("overlap", "deferred")
 ]
+# Owners precondition their layers and broadcast the updates (no inverse travels).
+UPDATES = [
+    (*stages, pipeline, "update", grad_sync)
+    for stages in (
+        ("optimal", "layer", "cholesky_factor"),
+        ("layerwise", "round_robin", "eigen"),
+        ("naive", "lbp", "cholesky"),
+    )
+    for pipeline in ("barrier", "arrival")
+    for grad_sync in ("overlap", "deferred")
+] + [("after_backward", "local", "cholesky", "barrier", "update", "overlap")]  # every layer on every rank
 
 
 def all_combinations(rank: int, world: int) -> dict[tuple[str, ...], dict[str, Any]]:
     backend = TorchBackend(DistConfig(device="cpu"))
     try:
-        combos: list[tuple[str, ...]] = [*itertools.product(FUSIONS, PLACES, INVS), *OVERLAPS]
+        combos: list[tuple[str, ...]] = [*itertools.product(FUSIONS, PLACES, INVS), *OVERLAPS, *UPDATES]
         return {combo: train(backend, *combo) for combo in combos}
     finally:
         backend.close()
@@ -136,6 +154,16 @@ def test_every_stage_combination_gives_the_same_parameters(world: int) -> None:
             # Every rank holds the same bits (an owner keeping its own inverse included).
             for a, b in zip(got["params"], results[0][combo]["params"], strict=True):
                 assert torch.equal(a, b), f"{combo}: rank {rank} drifted from rank 0"
+            if combo in UPDATES:  # a layer's two factors on one owner, whose inverses stay with it
+                owners = got["owners"]
+                assert owners[::2] == owners[1::2], f"{combo}: a layer split between owners"
+                mine = {k for k, o in zip(got["keys"], owners, strict=True) if o in (EVERY_RANK, rank)}
+                assert set(got["held"]) == mine, f"{combo} rank {rank} holds {got['held']}"
+                assert set(got["inverses"]) == set(got["keys"]), "the checkpoint lacks inverses"
+                # The owner's bits, as it sent them (a dense view of them may round by layout).
+                for key, tensors in got["saved"].items():
+                    for a, b in zip(tensors, results[0][combo]["saved"][key], strict=True):
+                        assert torch.equal(a, b), f"{combo} {key} rank {rank}"
             if combo in OVERLAPS:
                 for key, inv in got["inverses"].items():
                     assert torch.equal(inv, results[0][combo]["inverses"][key]), f"{combo} {key} rank {rank}"

@@ -86,11 +86,16 @@ def test_simulator_projects_a_recorded_run(traced_run: Path, tmp_path: Path) -> 
     rows = json.loads(out.read_text())
     for workers in (2, 8):
         mine = {r["variant"]: r for r in rows if r["workers"] == workers}
-        bounds = {r["inverse"]: r["total"] for r in rows if r["workers"] == workers and r["variant"] == "lower bound"}
+        bounds = {
+            (r["inverse"], r["shared_precondition"]): r["total"]
+            for r in rows
+            if r["workers"] == workers and r["variant"] == "lower bound"
+        }
         assert set(mine) == {"d", "mpd", "spd", "flow", "lower bound"}
-        assert set(bounds) == {"cholesky", "cholesky_factor"}  # flow's inversions are other work
+        # flow's inversions are other work, and it shares the preconditioning out.
+        assert set(bounds) == {("cholesky", False), ("cholesky_factor", True)}
         for v in ("d", "mpd", "spd", "flow"):
-            bound = bounds["cholesky_factor" if v == "flow" else "cholesky"]
+            bound = bounds[("cholesky_factor", True) if v == "flow" else ("cholesky", False)]
             assert mine[v]["total"] >= bound - 1e-12
             assert mine[v]["total"] == pytest.approx(sum(mine[v][p] for p in simulation.PARTS))
 
@@ -209,6 +214,28 @@ def test_simulated_deferred_gradients_and_arrival_match_hand_computation() -> No
     # The same with the barrier waits for G1 (0.13 s) before averaging anything.
     barrier = simulation.simulate(layers, prof, 2, _stages("layerwise", "local", grad_sync="deferred"))
     assert barrier["FactorComm"] == pytest.approx(0.13) and barrier["total"] == pytest.approx(13.43)
+
+
+def test_simulated_update_broadcasts_match_hand_computation() -> None:
+    from kfacflow.perf import InverseModel, LinearModel, Profile
+
+    prof = Profile(LinearModel(0.1, 0.01), LinearModel(0.05, 0.01), InverseModel("cubic", 0.0, 0.01), {"world_size": 2})
+    layers = _hand_layers()
+    layers["layers"][0]["t_precondition"], layers["layers"][1]["t_precondition"] = 0.1, 0.2
+    # As D-KFAC until the factors are averaged (6.75 s). The layer placement (model: 0.65 s of work
+    # for l1, 1.75 s for l2) gives l2 to rank 0 and l1 to rank 1: they invert 4 s and 3 s and
+    # precondition 0.2 s and 0.1 s. Updates travel in the shared order, l1 (6 elements, 9.85..9.96 s)
+    # then l2 (12 elements, 10.95..11.12 s); the last rank waits 0.17 s for it.
+    upd = simulation.simulate(layers, prof, 2, _stages("after_backward", "layer", broadcast="update"))
+    expect = {"FF&BP": 4.0, "GradComm": 0.4, "FactorComp": 2.0, "FactorComm": 0.35, "InverseComp": 4.0}
+    assert upd == pytest.approx(expect | {"InverseComm": 0.17, "Other": 0.2, "total": 11.12})
+    # Its bound shares the 0.3 s of preconditioning too; the others' bound does not.
+    assert simulation.lower_bound(layers, prof, 2) == pytest.approx(4.0 + 2.0 + 3.5 + 0.3)
+    assert simulation.lower_bound(layers, prof, 2, shared_precondition=True) == pytest.approx(4.0 + 2.0 + 3.5 + 0.15)
+    # A layer another rank preconditioned gets the traced seconds per multiply-add (0.1 s / 30 for 84).
+    del layers["layers"][1]["t_precondition"]
+    cost, rest = simulation.precondition_costs(layers["layers"], layers["breakdown"])
+    assert cost == pytest.approx({"l1": 0.1, "l2": 0.28}) and rest == pytest.approx(0.2)
 
 
 def test_simulate_prints_ratios_and_markdown(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -55,12 +55,10 @@ CONFIGS: dict[str, dict[str, list[str]]] = {
         "+arrival": ["kfac.variant=spd", "kfac.pipeline=arrival"],
         "+deferred": ["kfac.variant=spd", "kfac.pipeline=arrival", "kfac.grad_sync=deferred"],
         "+link": ["kfac.variant=spd", "kfac.pipeline=arrival", "kfac.grad_sync=deferred", "kfac.placement=link"],
-        "+factor": [
-            "kfac.variant=flow",
-            "kfac.broadcast=packed",
-        ],
-        "+keeps": ["kfac.variant=flow", "kfac.broadcast=owner_keeps"],
-        "+full": ["kfac.variant=flow", "kfac.broadcast=full"],
+        "+factor": ["kfac.variant=flow", "kfac.placement=link", "kfac.broadcast=packed"],
+        "+keeps": ["kfac.variant=flow", "kfac.placement=link", "kfac.broadcast=owner_keeps"],
+        "+full": ["kfac.variant=flow", "kfac.placement=link", "kfac.broadcast=full"],
+        "+update": ["kfac.variant=flow"],
         "layerwise": ["kfac.variant=flow", "kfac.fusion=layerwise"],
     },
     "fig10": {

@@ -117,20 +117,32 @@ def main(argv: list[str] | None = None) -> int:
             totals[v] = parts["total"]
             cols = " ".join(f"{parts[c]:>11.3f}" for c in PARTS)
             print(f"{workers:>4} {v:<22} {parts['total']:>8.3f} {cols}")
-        # The bound of each inverse method's work (flow's Cholesky factors are cheaper to compute).
+        # The bound of each kind of work: the inverse method (flow's Cholesky factors are cheaper to
+        # compute), and whether the preconditioning is shared out (kfac.broadcast=update).
+        work = {v: (stages.inverse, registry.BROADCASTS.get(stages.broadcast).update) for v, stages in chosen.items()}
         bounds = {
-            method: lower_bound(layers, profile, workers, args.inverse == "measured", method)
-            for method in dict.fromkeys(stages.inverse for stages in chosen.values())
+            kind: lower_bound(layers, profile, workers, args.inverse == "measured", kind[0], kind[1])
+            for kind in dict.fromkeys(work.values())
         }
-        for method, bound in bounds.items():
-            results.append({"workers": workers, "variant": "lower bound", "inverse": method, "total": bound})
+        for (method, shared), bound in bounds.items():
+            results.append(
+                {
+                    "workers": workers,
+                    "variant": "lower bound",
+                    "inverse": method,
+                    "shared_precondition": shared,
+                    "total": bound,
+                }
+            )
         # A profile without a model per method gives every method the same bound: show it once.
-        shown = bounds if len(set(bounds.values())) > 1 else {"": next(iter(bounds.values()))}
-        for method, bound in shown.items():
-            label = f"lower bound ({method})" if method else "lower bound"
-            print(f"{workers:>4} {label:<22} {bound:>8.3f}")
+        labels = {kind: f"{kind[0]}{', shared' if kind[1] else ''}" for kind in bounds}
+        shown = {labels[k]: b for k, b in bounds.items()}
+        if len(set(bounds.values())) == 1:
+            shown = {"": next(iter(bounds.values()))}
+        for label, bound in shown.items():
+            print(f"{workers:>4} {f'lower bound ({label})' if label else 'lower bound':<22} {bound:>8.3f}")
         pairs = ratio_pairs(totals)
-        to_bound = {v: totals[v] / bounds[chosen[v].inverse] for v in ("spd", "flow") if v in totals}
+        to_bound = {v: totals[v] / bounds[work[v]] for v in ("spd", "flow") if v in totals}
         if pairs or to_bound:
             ratios = [f"{a}/{b} {totals[a] / totals[b]:.3f}" for a, b in pairs]
             print(f"{'':>4} " + "  ".join(ratios + [f"{v}/bound {r:.3f}" for v, r in to_bound.items()]))

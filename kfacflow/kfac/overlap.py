@@ -25,6 +25,11 @@ BROADCASTS.add(
     Broadcast(owner_keeps=True, full=True),
     "whole matrices: twice the bytes, no packing or unpacking on any rank",
 )
+BROADCASTS.add(
+    "update",
+    Broadcast(owner_keeps=True, update=True),
+    "a layer's owner inverts both factors, preconditions it and broadcasts the update; no inverse travels",
+)
 GRAD_SYNCS.add("overlap", GradSync(deferred=False), "gradients all-reduced during backward (DDP, Horovod)")
 GRAD_SYNCS.add(
     "deferred",

@@ -9,7 +9,19 @@ from kfacflow.kfac.stages import EVERY_RANK
 from kfacflow.perf import Profile
 from kfacflow.registry import PLACEMENTS
 
-__all__ = ["EVERY_RANK", "inverse_phase", "lbp", "link", "local", "round_robin", "schedule"]
+__all__ = [
+    "EVERY_RANK",
+    "by_layer",
+    "inverse_phase",
+    "layer",
+    "layer_order",
+    "lbp",
+    "link",
+    "local",
+    "precondition_cost",
+    "round_robin",
+    "schedule",
+]
 
 
 def local(dims: Sequence[int], sizes: Sequence[int], world_size: int, profile: Profile | None) -> list[int]:
@@ -176,6 +188,89 @@ def link(dims: Sequence[int], sizes: Sequence[int], world_size: int, profile: Pr
     return owners
 
 
+def precondition_cost(a_dim: int, g_dim: int, profile: Profile | None) -> float:
+    """Estimated seconds to precondition one layer: about an inversion of the same number of flops.
+
+    Applying both inverses multiplies a ``g x a`` gradient by a ``g x g`` and an ``a x a`` matrix
+    (or solves with their Cholesky factors): ``a g (a + g)`` multiply-adds, as many as inverting a
+    factor of side ``(a g (a + g))^(1/3)``. Rough (within about 2x of traced times), which is
+    enough to balance whole layers.
+    """
+    side = (a_dim * g_dim * (a_dim + g_dim)) ** (1 / 3)
+    return profile.inverse(side) if profile is not None else side**3
+
+
+def layer(dims: Sequence[int], sizes: Sequence[int], world_size: int, profile: Profile | None) -> list[int]:
+    """Whole layers to owners, for ``kfac.broadcast=update`` (the owner preconditions and sends the update).
+
+    Layers are taken costliest first (both inversions and the preconditioning, estimated). A layer
+    that costs less than broadcasting its update is an NCT: every rank inverts and preconditions
+    it. Otherwise the least-loaded rank owns both of its factors; its load grows by the work and
+    the broadcast, as in Algorithm 1, applied to layers.
+
+    Args:
+        dims: Sides of the factors, A1, G1, A2, G2, ... (a layer's two factors are adjacent).
+        sizes: Elements the layer's update sends (given for each of its two factors).
+        world_size: Number of ranks.
+        profile: Fitted performance models.
+
+    Raises:
+        UserError: Without performance models to estimate the times.
+    """
+    if profile is None:
+        raise UserError("kfac.placement=layer needs performance models: set kfac.profile or let the run calibrate.")
+    owners = [EVERY_RANK] * len(dims)
+    if world_size == 1:
+        return owners
+    pairs = range(len(dims) // 2)
+    work = [profile.inverse(dims[2 * j]) + profile.inverse(dims[2 * j + 1]) for j in pairs]
+    work = [w + precondition_cost(dims[2 * j], dims[2 * j + 1], profile) for j, w in zip(pairs, work, strict=True)]
+    load = [0.0] * world_size
+    for j in sorted(pairs, key=lambda j: (-work[j], j)):
+        comm = profile.broadcast(sizes[2 * j])
+        if work[j] < comm:
+            load = [x + work[j] for x in load]
+        else:
+            rank = min(range(world_size), key=lambda r: (load[r], r))
+            owners[2 * j] = owners[2 * j + 1] = rank
+            load[rank] += work[j] + comm
+    return owners
+
+
+def by_layer(dims: Sequence[int], owners: Sequence[int]) -> list[int]:
+    """Return ``owners`` with both factors of each layer on one owner (what ``kfac.broadcast=update`` needs).
+
+    Where a placement split a layer, the owner of its larger communicated factor takes both;
+    a layer with neither factor communicated stays with every rank.
+    """
+    paired = list(owners)
+    for j in range(0, len(dims), 2):
+        a, g = owners[j], owners[j + 1]
+        if a != g:
+            big, small = (a, g) if dims[j] >= dims[j + 1] else (g, a)
+            paired[j] = paired[j + 1] = big if big != EVERY_RANK else small
+    return paired
+
+
+def layer_order(dims: Sequence[int], owners: Sequence[int], world_size: int, profile: Profile | None) -> list[int]:
+    """Return the order in which every rank preconditions and broadcasts layers (``kfac.broadcast=update``).
+
+    Each owner takes its own layers costliest first (the last update it sends is then a short
+    one); the owners' layers are interleaved by their estimated finish, so every rank posts the
+    broadcasts in the order they are expected to be ready; layers every rank preconditions come
+    last, while the updates travel.
+    """
+    n = len(dims) // 2
+    cost = [precondition_cost(dims[2 * j], dims[2 * j + 1], profile) for j in range(n)]
+    busy = [0.0] * world_size
+    finish: dict[int, float] = {}
+    for j in sorted((j for j in range(n) if owners[2 * j] != EVERY_RANK), key=lambda j: (-cost[j], j)):
+        busy[owners[2 * j]] += cost[j]
+        finish[j] = busy[owners[2 * j]]
+    owned = sorted(finish, key=lambda j: (finish[j], owners[2 * j], j))
+    return owned + [j for j in range(n) if owners[2 * j] == EVERY_RANK]
+
+
 PLACEMENTS.add("local", local, "every rank inverts every factor; no inverse traffic (D-KFAC)")
 PLACEMENTS.add("round_robin", round_robin, "factor i inverted by rank i mod P, every result broadcast (MPD-KFAC)")
 PLACEMENTS.add(
@@ -188,5 +283,11 @@ PLACEMENTS.add(
     "link",
     link,
     "Algorithm 1 refined against one shared link: a factor stays communicated only where its broadcast fits",
+    needs_profile=True,
+)
+PLACEMENTS.add(
+    "layer",
+    layer,
+    "whole layers to the least-loaded rank (for kfac.broadcast=update); NCT where computing beats sending",
     needs_profile=True,
 )

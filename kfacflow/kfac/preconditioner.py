@@ -18,7 +18,7 @@ from kfacflow.kfac.fusion import Communicator, estimated_arrivals
 from kfacflow.kfac.inverse import Inverse, warn_once
 from kfacflow.kfac.layers import KFACLayer, find_layers
 from kfacflow.kfac.packing import unpack
-from kfacflow.kfac.placement import schedule
+from kfacflow.kfac.placement import by_layer, layer_order, schedule
 from kfacflow.kfac.stages import EVERY_RANK, FactorSlot, StageSet
 from kfacflow.perf import Profile
 from kfacflow.timing import StepTimer
@@ -114,9 +114,15 @@ class KFACPreconditioner:
         """Make a slot per factor of :attr:`layers` and decide who inverts each (again once unused layers are known)."""
         self.slots = [FactorSlot(layer, side) for layer in self.layers for side in ("A", "G")]  # type: ignore[arg-type]
         dims = [slot.dim for slot in self.slots]
-        result, full = self.stages.invert.result, self.stages.broadcast.full
-        sizes = [result.full_elements(d) if full else result.elements(d) for d in dims]
-        owners = self.stages.placement(dims, sizes, self.backend.world_size, self.profile)
+        result, broadcast, world = self.stages.invert.result, self.stages.broadcast, self.backend.world_size
+        if broadcast.update:  # what travels is the layer's update, once for both of its factors
+            sizes = [slot.layer.a_dim * slot.layer.g_dim for slot in self.slots]
+        else:
+            sizes = [result.full_elements(d) if broadcast.full else result.elements(d) for d in dims]
+        owners = self.stages.placement(dims, sizes, world, self.profile)
+        if broadcast.update:
+            owners = by_layer(dims, owners)
+            self.layer_order = [self.layers[j] for j in layer_order(dims, owners, world, self.profile)]
         for slot, size, owner in zip(self.slots, sizes, owners, strict=True):
             slot.flat_size, slot.owner = size, owner
         self._schedule()
@@ -247,7 +253,8 @@ class KFACPreconditioner:
 
         The order stays the placement's (communicated factors by estimated finish, then the rest)
         because broadcasts run one after another in the order they are posted: a factor inverted
-        early but sent late would hold up every broadcast behind it.
+        early but sent late would hold up every broadcast behind it. With ``kfac.broadcast=update``
+        no inverse is sent, and each rank inverts what it holds of each all-reduce as it completes.
         """
         arrived: set[str] = set()
 
@@ -257,6 +264,13 @@ class KFACPreconditioner:
             arrived.update(averaged)
 
         sends: list[_Send] = []
+        if self.stages.broadcast.update:  # no inverse is sent, so no order binds the ranks: take what has come
+            for group in arrivals:
+                take(group)
+                for slot in self.order:
+                    if slot.key in group:
+                        self._invert(slot)
+            return sends
         for slot in self.order:
             while slot.key not in arrived and (averaged := next(arrivals, None)) is not None:
                 take(averaged)
@@ -269,12 +283,15 @@ class KFACPreconditioner:
     def _invert(self, slot: FactorSlot) -> _Send | None:
         """Invert ``slot`` if this rank owns it (or every rank does); post its broadcast if it is communicated."""
         keep = False
+        mine = slot.owner in (EVERY_RANK, self.backend.rank)
+        if self.stages.broadcast.update and not mine:
+            return None  # its owner preconditions the layer and sends the update
         with torch.no_grad():
-            if slot.owner in (EVERY_RANK, self.backend.rank):
+            if mine:
                 with self.timer.span("InverseComp", slot.key, "inverse"):
                     inverse = self.stages.invert(unpack(self.running[slot.key], slot.dim), self.cfg.damping)
                 self.inverses[slot.key] = inverse
-                if slot.owner == EVERY_RANK:
+                if slot.owner == EVERY_RANK or self.stages.broadcast.update:
                     return None
                 if self.stages.broadcast.full:
                     flat, keep = inverse.to_full(), inverse.full_exact()  # the owner's own bits travel
@@ -295,6 +312,17 @@ class KFACPreconditioner:
             with self.timer.span("GradComm"):
                 gradients.wait()
         live = [(layer, g) for layer in self.layers if (g := layer.grad_matrix()) is not None]
+        if self.stages.broadcast.update:
+            updates = self._precondition_owned({layer.name: g for layer, g in live})
+        else:
+            updates = self._precondition_local(live, sends)
+        grads = [g for _, g in live]
+        final = self.stages.precondition.finish([updates[layer.name] for layer, _ in live], grads, lr)
+        for (layer, _), update in zip(live, final, strict=True):
+            layer.set_grad(update)
+
+    def _precondition_local(self, live: list[tuple[KFACLayer, Tensor]], sends: list[_Send]) -> dict[str, Tensor]:
+        """Precondition every layer here, each once both of its inverses are (broadcast ones as they land)."""
         waiting = {send.slot.key for send in sends}
         updates: dict[str, Tensor] = {}
         on_arrival = self.stages.pipeline.precondition_on_arrival
@@ -326,21 +354,81 @@ class KFACPreconditioner:
                 if on_arrival:
                     apply_ready()
         apply_ready()
-        grads = [g for _, g in live]
-        final = self.stages.precondition.finish([updates[layer.name] for layer, _ in live], grads, lr)
-        for (layer, _), update in zip(live, final, strict=True):
-            layer.set_grad(update)
+        return updates
+
+    def _precondition_owned(self, live: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Precondition the layers this rank owns (and every rank's), broadcasting each owned update.
+
+        Every rank walks :attr:`layer_order` and posts each communicated layer's broadcast in it
+        (collectives run in the order they are posted): its own update as soon as it is computed,
+        a receive buffer for the others'. Every rank then applies the owner's bits.
+        """
+        rank = self.backend.rank
+        owner = {slot.layer.name: slot.owner for slot in self.slots}
+        updates: dict[str, Tensor] = {}
+        posted: list[tuple[str, Tensor, Handle]] = []
+        with torch.no_grad():
+            for layer in self.layer_order:
+                grad = live.get(layer.name)
+                if grad is None:
+                    continue
+                src = owner[layer.name]
+                if src in (EVERY_RANK, rank):
+                    t0 = self.timer.now()
+                    update = self.stages.precondition.layer(
+                        grad, self.inverses[f"{layer.name}/A"], self.inverses[f"{layer.name}/G"]
+                    )
+                    self.timer.record(layer.name, "precondition", t0, self.timer.now())
+                    updates[layer.name] = update = update.contiguous()
+                    if src == EVERY_RANK:
+                        continue
+                else:
+                    update = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+                with self.timer.span("InverseComm"):
+                    handle = self.backend.broadcast_async(update, src)
+                self.timer.on_done(handle, f"{layer.name} update from {src}", "broadcast")
+                posted.append((layer.name, update, handle))
+            for name, update, handle in posted:
+                with self.timer.span("InverseComm"):
+                    handle.wait()
+                updates[name] = update
+        return updates
 
     # --- checkpoints ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Return factors, inverses, the step counter and the layers in use (for checkpoints)."""
+        """Return factors, inverses, the step counter and the layers in use (for checkpoints).
+
+        Collective with ``kfac.broadcast=update``: each inverse lives on its owner only, and the
+        owners send theirs to every rank here so that the checkpoint (rank 0's) holds them all.
+        """
+        inverses = self._gather_inverses() if self.stages.broadcast.update else self.inverses
         return {
             "steps": self.steps,
             "factors": dict(self.running),
-            "inverses": {k: (v.kind, v.tensors) for k, v in self.inverses.items()},
+            "inverses": {k: (v.kind, v.tensors) for k, v in inverses.items()},
             "layers": dict(self.capture.uses) if self.capture.uses is not None else None,
         }
+
+    def _gather_inverses(self) -> dict[str, Inverse]:
+        """Every inverse, its owner's bits on every rank (collective; in slot order on every rank)."""
+        gathered = dict(self.inverses)
+        kinds = sorted(Inverse.kinds)
+        for slot in self.slots:
+            if slot.owner == EVERY_RANK or self.backend.world_size == 1:
+                continue
+            mine = self.inverses.get(slot.key) if slot.owner == self.backend.rank else None
+            # Before the first inversion no rank has one: the owner says so with kind -1.
+            kind = torch.tensor([kinds.index(mine.kind) if mine is not None else -1], dtype=torch.int64)
+            self.backend.broadcast_async(kind, slot.owner).wait()
+            if int(kind[0]) < 0:
+                continue
+            cls = Inverse.kinds[kinds[int(kind[0])]]
+            like = self.running[slot.key]
+            flat = mine.to_full() if mine is not None else like.new_empty(cls.full_elements(slot.dim))
+            self.backend.broadcast_async(flat, slot.owner).wait()
+            gathered[slot.key] = mine if mine is not None else cls.from_full(flat, slot.dim)
+        return gathered
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned.
@@ -368,7 +456,12 @@ class KFACPreconditioner:
                 )
         self.steps = int(state["steps"])
         self.running = {k: v.clone() for k, v in state["factors"].items()}
-        self.inverses = {k: Inverse.restore(kind, ts) for k, (kind, ts) in state["inverses"].items()}
+        held = {s.key for s in self.slots if s.owner in (EVERY_RANK, self.backend.rank)}
+        self.inverses = {
+            k: Inverse.restore(kind, ts)
+            for k, (kind, ts) in state["inverses"].items()
+            if k in held or not self.stages.broadcast.update  # with update, each rank needs its own only
+        }
         self.capture.active = self._updates_factors()
 
     def remove(self) -> None:

@@ -271,11 +271,15 @@ class Broadcast:
     the owner too, unpacks the broadcast copy. ``owner_keeps``: the same, but the owner keeps
     its own inverse when unpacking would give it back bit for bit (a dense inverse that is
     exactly symmetric). ``full``: the whole matrix, twice the bytes, sent from the owner's own
-    memory and used by the others where it lands: no packing, no unpacking.
+    memory and used by the others where it lands: no packing, no unpacking. ``update``: no
+    inverse travels; a layer's owner inverts both of its factors, preconditions the layer and
+    broadcasts the update (the layer's size, far less than its inverses), so that the
+    preconditioning is shared out too and every rank applies the owner's bits.
     """
 
     owner_keeps: bool
     full: bool = False
+    update: bool = False
 
 
 @dataclass(frozen=True)

@@ -45,9 +45,9 @@ VARIANTS.add("mpd", Variant("after_backward", "round_robin"), "MPD-KFAC: factors
 VARIANTS.add("d", Variant(), "D-KFAC: factors all-reduced after backward, every rank inverts everything")
 VARIANTS.add(
     "flow",
-    Variant("optimal", "link", "cholesky_factor", pipeline="arrival", broadcast="full", grad_sync="deferred"),
-    "past the paper: SPD's fusion, link-aware placement, Cholesky factors sent whole, inversion and "
-    "preconditioning as data arrive, gradients behind the inversions",
+    Variant("optimal", "layer", "cholesky_factor", pipeline="arrival", broadcast="update", grad_sync="deferred"),
+    "past the paper: SPD's fusion, whole layers to owners who precondition and send the update, Cholesky "
+    "factors, inversion as factors arrive, gradients behind the inversions",
 )
 VARIANTS.add(
     "auto",
