@@ -187,17 +187,18 @@ def _inverse_phase(
     keys = [f"{r['name']}/{side}" for r in rows for side in ("A", "G")]
     dims = [d for r in rows for d in (r["a_dim"], r["g_dim"])]
     costs = inverse_costs(rows, prof, use_measured)
+    # Averaging a factor into its running average: the traced FactorComp beyond the hooks, by size.
+    update_total = max(0.0, measured.get("FactorComp", hooks) - hooks)
+    packed = [packed_size(d) for d in dims]
+    update = [update_total * m / (sum(packed) or 1) for m in packed]
     result = registry.INVERSES.get(stages.inverse).result
     broadcast = registry.BROADCASTS.get(stages.broadcast)
     if broadcast.update:
-        return _update_phase(rows, measured, prof, workers, stages, costs, bwd, hooks, ffbp)
+        return _update_phase(rows, measured, prof, workers, stages, costs, update, bwd, hooks + update_total, ffbp)
     sizes = [result.full_elements(d) if broadcast.full else result.elements(d) for d in dims]
     # Whole matrices travel from the owner's memory and are used where they land: no (un)packing.
     pack = [0.0] * len(dims) if broadcast.full else per_element(rows, sizes, "t_pack")
     unpack = [0.0] * len(dims) if broadcast.full else per_element(rows, sizes, "t_unpack")
-    update_total = max(0.0, measured.get("FactorComp", hooks) - hooks)
-    packed = [packed_size(d) for d in dims]
-    update = [update_total * m / (sum(packed) or 1) for m in packed]
     owners = registry.PLACEMENTS.get(stages.placement)(dims, sizes, workers, prof)
     pipeline = registry.PIPELINES.get(stages.pipeline)
     expected = [bwd.expected.get(k, 0.0) for k in keys] if pipeline.invert_on_arrival else None
@@ -257,14 +258,22 @@ def _inverse_phase(
                 ready()
         ready()
     last = max(ranks, key=lambda rank: rank.t)
+    packing = sum(pack[i] for i, _ in sends if owners[i] == ranks.index(last))
+    return _breakdown(last, rest, ffbp, grad_comm, hooks + update_total, packing)
+
+
+def _breakdown(
+    last: _Rank, rest: float, ffbp: float, grad_comm: float, factor_comp: float, packing: float = 0.0
+) -> dict[str, float]:
+    """The step's parts as the last rank to finish saw them; ``Other`` is what no part names."""
     waits = last.waits or {}
     parts = {
         "FF&BP": ffbp,
         "GradComm": grad_comm + waits.get("GradComm", 0.0),
-        "FactorComp": hooks + update_total,
+        "FactorComp": factor_comp,
         "FactorComm": waits.get("FactorComm", 0.0),
         "InverseComp": last.inverse,
-        "InverseComm": waits.get("InverseComm", 0.0) + sum(pack[i] for i, _ in sends if owners[i] == ranks.index(last)),
+        "InverseComm": waits.get("InverseComm", 0.0) + packing,
     }
     parts["Other"] = last.t + rest - sum(parts.values())
     parts["total"] = last.t + rest
@@ -278,8 +287,9 @@ def _update_phase(
     workers: int,
     stages: Stages,
     costs: list[float],
+    update: list[float],
     bwd: _Backward,
-    hooks: float,
+    factor_comp: float,
     ffbp: float,
 ) -> dict[str, float]:
     """``kfac.broadcast=update``: each rank inverts and preconditions its own layers; the updates travel.
@@ -293,9 +303,6 @@ def _update_phase(
     dims = [d for r in rows for d in (r["a_dim"], r["g_dim"])]
     sizes = [r["a_dim"] * r["g_dim"] for r in rows for _ in (0, 1)]
     owners = by_layer(dims, registry.PLACEMENTS.get(stages.placement)(dims, sizes, workers, prof))
-    update_total = max(0.0, measured.get("FactorComp", hooks) - hooks)
-    packed = [packed_size(d) for d in dims]
-    update = [update_total * m / (sum(packed) or 1) for m in packed]
     on_arrival = registry.PIPELINES.get(stages.pipeline).invert_on_arrival
     start = bwd.start
     here = [bwd.arrival.get(k, start) for k in keys]
@@ -323,19 +330,7 @@ def _update_phase(
     ends = [bwd.link.send(t, prof.broadcast(sizes[2 * j])) if workers > 1 else t for j, t in done]
     for rank in ranks:
         rank.wait(max(ends, default=0.0), "InverseComm")
-    last = max(ranks, key=lambda rank: rank.t)
-    waits = last.waits or {}
-    parts = {
-        "FF&BP": ffbp,
-        "GradComm": bwd.grad_comm + waits.get("GradComm", 0.0),
-        "FactorComp": hooks + update_total,
-        "FactorComm": waits.get("FactorComm", 0.0),
-        "InverseComp": last.inverse,
-        "InverseComm": waits.get("InverseComm", 0.0),
-    }
-    parts["Other"] = last.t + rest - sum(parts.values())
-    parts["total"] = last.t + rest
-    return parts
+    return _breakdown(max(ranks, key=lambda rank: rank.t), rest, ffbp, bwd.grad_comm, factor_comp)
 
 
 def precondition_costs(rows: list[dict[str, Any]], measured: dict[str, float]) -> tuple[dict[str, float], float]:

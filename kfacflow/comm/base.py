@@ -122,11 +122,13 @@ class GradientAllreduce:
             return
         grads = [p.grad for p in self.params if p.grad is not None]
         bucket: list[Tensor] = []
+        nbytes = 0
         for g in grads:
             bucket.append(g)
-            if sum(t.numel() * t.element_size() for t in bucket) >= self.BUCKET_BYTES:
+            nbytes += g.numel() * g.element_size()
+            if nbytes >= self.BUCKET_BYTES:
                 self._post(bucket)
-                bucket = []
+                bucket, nbytes = [], 0
         if bucket:
             self._post(bucket)
 

@@ -60,18 +60,29 @@ def lbp(dims: Sequence[int], sizes: Sequence[int], world_size: int, profile: Pro
     """
     if profile is None:
         raise UserError("kfac.placement=lbp needs performance models: set kfac.profile or let the run calibrate.")
-    owners = [EVERY_RANK] * len(dims)
     if world_size == 1:
-        return owners
+        return [EVERY_RANK] * len(dims)
+    work = [profile.inverse(d) for d in dims]
+    comms = [profile.broadcast(m) for m in sizes]
+    return _balance(sorted(range(len(dims)), key=lambda i: (-dims[i], i)), work, comms, world_size)
+
+
+def _balance(order: Sequence[int], work: Sequence[float], comms: Sequence[float], world_size: int) -> list[int]:
+    """Algorithm 1's loop: the owner of each item, taken in ``order``, or :data:`EVERY_RANK`.
+
+    An item whose work costs less than its broadcast is done by every rank (its work added to
+    every rank's load); otherwise the least-loaded rank (ties to the lowest) owns it, its load
+    growing by the work and the broadcast.
+    """
+    owners = [EVERY_RANK] * len(work)
     load = [0.0] * world_size
-    for i in sorted(range(len(dims)), key=lambda i: (-dims[i], i)):
-        comp, comm = profile.inverse(dims[i]), profile.broadcast(sizes[i])
-        if comp < comm:
-            load = [x + comp for x in load]
+    for i in order:
+        if work[i] < comms[i]:
+            load = [x + work[i] for x in load]
         else:
             rank = min(range(world_size), key=lambda r: (load[r], r))
             owners[i] = rank
-            load[rank] += comp + comm
+            load[rank] += work[i] + comms[i]
     return owners
 
 
@@ -219,22 +230,13 @@ def layer(dims: Sequence[int], sizes: Sequence[int], world_size: int, profile: P
     """
     if profile is None:
         raise UserError("kfac.placement=layer needs performance models: set kfac.profile or let the run calibrate.")
-    owners = [EVERY_RANK] * len(dims)
     if world_size == 1:
-        return owners
-    pairs = range(len(dims) // 2)
-    work = [profile.inverse(dims[2 * j]) + profile.inverse(dims[2 * j + 1]) for j in pairs]
-    work = [w + precondition_cost(dims[2 * j], dims[2 * j + 1], profile) for j, w in zip(pairs, work, strict=True)]
-    load = [0.0] * world_size
-    for j in sorted(pairs, key=lambda j: (-work[j], j)):
-        comm = profile.broadcast(sizes[2 * j])
-        if work[j] < comm:
-            load = [x + work[j] for x in load]
-        else:
-            rank = min(range(world_size), key=lambda r: (load[r], r))
-            owners[2 * j] = owners[2 * j + 1] = rank
-            load[rank] += work[j] + comm
-    return owners
+        return [EVERY_RANK] * len(dims)
+    layers = list(zip(dims[::2], dims[1::2], strict=True))  # (A side, G side)
+    work = [profile.inverse(a) + profile.inverse(g) + precondition_cost(a, g, profile) for a, g in layers]
+    comms = [profile.broadcast(m) for m in sizes[::2]]
+    owners = _balance(sorted(range(len(work)), key=lambda j: (-work[j], j)), work, comms, world_size)
+    return [owner for owner in owners for _ in (0, 1)]
 
 
 def by_layer(dims: Sequence[int], owners: Sequence[int]) -> list[int]:
