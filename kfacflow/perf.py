@@ -20,6 +20,9 @@ from kfacflow import UserError, did_you_mean
 from kfacflow.comm.base import Backend
 from kfacflow.config import read_yaml
 
+START_UP_SHARE = 0.1
+"""A message whose start-up is at most this share of its transfer is not fused further (``LinearModel.amortized``)."""
+
 
 @dataclass
 class LinearModel:
@@ -33,6 +36,13 @@ class LinearModel:
     def __call__(self, m: float) -> float:
         """Return the predicted seconds for ``m`` elements."""
         return self.alpha + self.beta * m
+
+    def amortized(self, m: float) -> bool:
+        """Whether a message of ``m`` elements has paid for its start-up: ``alpha <= START_UP_SHARE * beta * m``.
+
+        Fusing more into such a message saves little, and what is fused waits for the last of it.
+        """
+        return self.alpha <= START_UP_SHARE * self.beta * m
 
 
 @dataclass

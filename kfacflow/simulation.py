@@ -8,7 +8,8 @@ order they are posted; then each rank updates its factors, inverts what it owns 
 the pipeline gives (after the last factor, or as each arrives), posts and receives broadcasts,
 unpacks them, and preconditions (after the last inverse, or layer by layer as they arrive).
 With ``kfac.broadcast=update`` no inverse travels: each rank inverts and preconditions the
-layers it owns, and their updates are broadcast in the shared layer order.
+layers it owns, and their updates are broadcast in the shared layer order (``fused_update``:
+small ones summed in buckets, one all-reduce each).
 Communication is re-scaled from the profile's world size to P with the ring model: an
 all-reduce of m elements costs 2(P-1) start-ups and 2(P-1)/P m elements per worker, a broadcast
 (NCCL's pipelined ring) P-1 start-ups and m elements. Compute per worker does not change with P.
@@ -23,7 +24,7 @@ from kfacflow import registry
 from kfacflow.kfac import inverse, overlap  # noqa: F401  (they register the entries looked up below)
 from kfacflow.kfac.fusion import Ready, estimated_arrivals, plan_launches
 from kfacflow.kfac.packing import packed_size
-from kfacflow.kfac.placement import EVERY_RANK, by_layer, layer_order, schedule
+from kfacflow.kfac.placement import EVERY_RANK, by_layer, layer_order, schedule, update_buckets
 from kfacflow.kfac.stages import FusionOptions
 from kfacflow.kfac.variants import Stages
 from kfacflow.perf import LinearModel, Profile
@@ -317,17 +318,26 @@ def _update_phase(
                 rank.t += costs[i]
                 rank.inverse += costs[i]
     cost, rest = precondition_costs(rows, measured)
-    done: list[tuple[int, float]] = []  # communicated layers and when their owner has the update
+    done: dict[int, float] = {}  # communicated layers and when their owner has the update
     for rank in ranks:
         rank.wait(bwd.grads_done, "GradComm")
-    for j in layer_order(dims, owners, workers, prof):
+    order = layer_order(dims, owners, workers, prof)
+    for j in order:
         owner = owners[2 * j]
         for r, rank in enumerate(ranks):
             if owner in (EVERY_RANK, r):
                 rank.t += cost[rows[j]["name"]]
         if owner != EVERY_RANK:
-            done.append((j, ranks[owner].t))
-    ends = [bwd.link.send(t, prof.broadcast(sizes[2 * j])) if workers > 1 else t for j, t in done]
+            done[j] = ranks[owner].t
+    if registry.BROADCASTS.get(stages.broadcast).fused:
+        buckets = update_buckets(order, sizes[::2], owners[::2], prof)
+        sends = [
+            (max(done[j] for j in b), (prof.allreduce if len(b) > 1 else prof.broadcast)(sum(sizes[2 * j] for j in b)))
+            for b in buckets
+        ]
+    else:
+        sends = [(t, prof.broadcast(sizes[2 * j])) for j, t in done.items()]
+    ends = [bwd.link.send(t, seconds) if workers > 1 else t for t, seconds in sends]
     for rank in ranks:
         rank.wait(max(ends, default=0.0), "InverseComm")
     return _breakdown(max(ranks, key=lambda rank: rank.t), rest, ffbp, bwd.grad_comm, factor_comp)

@@ -35,6 +35,17 @@ def test_merge_when_the_link_is_still_busy() -> None:
     assert plan_groups([0.0, 2.0, 5.0, 9.0], [100, 10, 10, 10], MODEL) == [[0], [1, 2, 3]]
 
 
+def test_split_closes_a_group_once_it_has_paid_for_its_start_up() -> None:
+    # The link is busy until 11 s, so Eq. 15 fuses factors 1-4. Split: a group is amortized once
+    # 1 s <= 0.1 x 0.1 s x m, at m >= 100: factor 1 (100 elements) goes alone; 2 and 3 (10 + 90)
+    # reach 100 together; 4 (5 elements) alone at the end.
+    ready, sizes = [0.0, 2.0, 5.0, 6.0, 9.0], [100, 100, 10, 90, 5]
+    assert plan_groups(ready, sizes, MODEL) == [[0], [1, 2, 3, 4]]
+    assert plan_groups(ready, sizes, MODEL, split=True) == [[0], [1], [2, 3], [4]]
+    # Small factors, far from paying for a start-up, fuse as under Eq. 15.
+    assert plan_groups([0.0, 0.5, 1.2], [10, 10, 10], MODEL, split=True) == [[0, 1, 2]]
+
+
 def test_every_factor_once_in_order() -> None:
     ready = [0.1 * i for i in range(20)]
     groups = plan_groups(ready, [5] * 20, LinearModel(alpha=0.05, beta=0.01))

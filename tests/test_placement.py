@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kfacflow import UserError
-from kfacflow.kfac.placement import EVERY_RANK, by_layer, layer, layer_order, lbp, local, round_robin
+from kfacflow.kfac.placement import EVERY_RANK, by_layer, layer, layer_order, lbp, local, round_robin, update_buckets
 from kfacflow.perf import InverseModel, LinearModel, Profile
 
 
@@ -122,3 +122,20 @@ def test_layer_order_interleaves_owners_by_estimated_finish_and_puts_shared_laye
     dims = [10, 7, 8, 9, 2, 2, 3, 3]
     # Rank 0 owns the first and third layers (costliest first: 1.19, then 1.206), rank 1 the second (1.224).
     assert layer_order(dims, [0, 0, 1, 1, 0, 0, EVERY_RANK, EVERY_RANK], 2, profile(0.0)) == [0, 2, 1, 3]
+
+
+def test_update_buckets_fuse_only_where_one_allreduce_beats_the_broadcasts() -> None:
+    def models(ar: tuple[float, float], bc: tuple[float, float]) -> Profile:
+        return Profile(LinearModel(*ar), LinearModel(*bc), InverseModel("cubic", 0.0, 1e-3))
+
+    order, elements = [3, 0, 1, 2, 4], [100, 200, 300, 400, 500]
+    owners = [0, 1, 0, EVERY_RANK, 1]  # layer 3 is computed on every rank: never sent
+    # All-reduce: 1 s + 1 ms/element; a bucket closes at 10 s of transfer (10,000 elements): never here.
+    # One all-reduce of layers 0, 1, 2, 4 (1100 elements): 2.1 s, against 4 broadcasts of 1 s + 1 ms/element: 5.1 s.
+    assert update_buckets(order, elements, owners, models((1.0, 1e-3), (1.0, 1e-3))) == [[0, 1, 2, 4]]
+    # All-reduce start-up 0.05 s: a bucket closes at 500 elements. [0, 1, 2] in one all-reduce
+    # (0.65 s, against 3 x 0.4 + 0.6 = 1.8 s of broadcasts); [4] alone is a broadcast.
+    assert update_buckets(order, elements, owners, models((0.05, 1e-3), (0.4, 1e-3))) == [[0, 1, 2], [4]]
+    # Start-ups cheap next to the all-reduce's doubled traffic (3.2 s against 4 x 0.2 + 1.1 s): each layer alone.
+    assert update_buckets(order, elements, owners, models((1.0, 2e-3), (0.2, 1e-3))) == [[0], [1], [2], [4]]
+    assert update_buckets(order, elements, owners, None) == [[0], [1], [2], [4]]

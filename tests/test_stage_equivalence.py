@@ -35,6 +35,13 @@ PROFILE = Profile(
     broadcast=LinearModel(alpha=1e-4, beta=0.0),
     inverse=InverseModel("cubic", 0.0, 1e-6),
 )
+# For kfac.broadcast=fused_update: an all-reduce starts as fast as a broadcast and every layer is
+# communicated, so the three layers' updates (owned by different ranks) travel as one bucket.
+FUSED_PROFILE = Profile(
+    allreduce=LinearModel(alpha=1e-4, beta=1e-9),
+    broadcast=LinearModel(alpha=1e-4, beta=0.0),
+    inverse=InverseModel("cubic", 0.0, 1e-6),
+)
 
 
 def make_model() -> nn.Module:
@@ -73,7 +80,7 @@ def train(
     )
     model = make_model()
     net = backend.wrap_model(model)
-    pre = build.preconditioner(model, cfg, backend, PROFILE)
+    pre = build.preconditioner(model, cfg, backend, FUSED_PROFILE if broadcast == "fused_update" else PROFILE)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     gen = torch.Generator().manual_seed(1)
     world, rank = backend.world_size, backend.rank
@@ -101,6 +108,7 @@ def train(
         "keys": pre.keys,
         "owners": pre.owners,
         "plan": getattr(pre.comm, "plan", None),
+        "buckets": list(pre.update_buckets.values()),
     }
 
 
@@ -127,6 +135,13 @@ UPDATES = [
     for pipeline in ("barrier", "arrival")
     for grad_sync in ("overlap", "deferred")
 ] + [("after_backward", "local", "cholesky", "barrier", "update", "overlap")]  # every layer on every rank
+# The updates summed in buckets: one all-reduce for several owners' layers.
+FUSED = [
+    ("optimal", "layer", "cholesky_factor", pipeline, "fused_update", grad_sync)
+    for pipeline in ("barrier", "arrival")
+    for grad_sync in ("overlap", "deferred")
+] + [("layerwise", "round_robin", "eigen", "arrival", "fused_update", "deferred")]
+UPDATES += FUSED
 
 
 def all_combinations(rank: int, world: int) -> dict[tuple[str, ...], dict[str, Any]]:
@@ -164,6 +179,10 @@ def test_every_stage_combination_gives_the_same_parameters(world: int) -> None:
                 for key, tensors in got["saved"].items():
                     for a, b in zip(tensors, results[0][combo]["saved"][key], strict=True):
                         assert torch.equal(a, b), f"{combo} {key} rank {rank}"
+            if combo in FUSED:
+                assert [len(b) for b in got["buckets"]] == [3], f"{combo}: buckets {got['buckets']}"
+                if combo[1] == "layer":  # round robin pairs every layer on rank 0 at P = 2
+                    assert len(set(got["owners"])) > 1, f"{combo}: one owner has every layer"
             if combo in OVERLAPS:
                 for key, inv in got["inverses"].items():
                     assert torch.equal(inv, results[0][combo]["inverses"][key]), f"{combo} {key} rank {rank}"

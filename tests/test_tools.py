@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -229,6 +230,16 @@ def test_simulated_update_broadcasts_match_hand_computation() -> None:
     upd = simulation.simulate(layers, prof, 2, _stages("after_backward", "layer", broadcast="update"))
     expect = {"FF&BP": 4.0, "GradComm": 0.4, "FactorComp": 2.0, "FactorComm": 0.35, "InverseComp": 4.0}
     assert upd == pytest.approx(expect | {"InverseComm": 0.17, "Other": 0.2, "total": 11.12})
+    # Fused updates: here one all-reduce of both (0.1 + 0.18 s) costs what two broadcasts do, so
+    # each still travels alone; with a 0.2 s broadcast start-up, both go in one all-reduce posted
+    # when the second is ready (10.95..11.23 s) instead of two broadcasts (ending 10.11 s, 11.27 s).
+    fused = simulation.simulate(layers, prof, 2, _stages("after_backward", "layer", broadcast="fused_update"))
+    assert fused == pytest.approx(upd)
+    slow = replace(prof, broadcast=LinearModel(0.2, 0.01))
+    upd = simulation.simulate(layers, slow, 2, _stages("after_backward", "layer", broadcast="update"))
+    assert upd["InverseComm"] == pytest.approx(0.32) and upd["total"] == pytest.approx(11.27)
+    fused = simulation.simulate(layers, slow, 2, _stages("after_backward", "layer", broadcast="fused_update"))
+    assert fused == pytest.approx(expect | {"InverseComm": 0.28, "Other": 0.2, "total": 11.23})
     # Its bound shares the 0.3 s of preconditioning too; the others' bound does not.
     assert simulation.lower_bound(layers, prof, 2) == pytest.approx(4.0 + 2.0 + 3.5 + 0.3)
     assert simulation.lower_bound(layers, prof, 2, shared_precondition=True) == pytest.approx(4.0 + 2.0 + 3.5 + 0.15)

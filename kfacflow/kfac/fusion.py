@@ -79,6 +79,8 @@ class Optimal(Policy):
     their mean ready times, and a group is launched once its last member arrives.
     """
 
+    split = False
+
     def __init__(self, options: FusionOptions) -> None:
         super().__init__(options)
         self.measure_steps = options.profile_steps
@@ -99,12 +101,25 @@ class Optimal(Policy):
         self.plan = []
         for items in passes:
             keys = [key for key, _, _ in items]
-            groups = plan_groups([t for _, t, _ in items], [m for _, _, m in items], model)
+            groups = plan_groups([t for _, t, _ in items], [m for _, _, m in items], model, self.split)
             self.plan += [[keys[i] for i in g] for g in groups]
         self.group_of = {k: g for g, keys in enumerate(self.plan) for k in keys}
         self.group_len = [len(keys) for keys in self.plan]
         sizes = [sum(1 for _ in items) for items in passes]
         logger.info("optimal fusion: %s factors per pass in %d all-reduces", sizes, len(self.plan))
+
+
+class OptimalSplit(Optimal):
+    """Eq. 15's groups, each closed once it has paid for its start-up: large factors travel alone.
+
+    For factors inverted as they arrive (``kfac.pipeline=invert_on_arrival`` or ``arrival``):
+    Eq. 15 fuses everything that waits while the link is busy, so the A factors of the last
+    layers, computed at the end of the forward pass, arrive together, a second later on a
+    1 Gbit/s link; split, the first of them can be inverted while the rest travel. Small factors
+    still share all-reduces, so start-ups do not queue at large P.
+    """
+
+    split = True
 
 
 class Grouper:
@@ -326,4 +341,10 @@ COMMUNICATORS.add("layerwise", Layerwise, "each factor all-reduced as soon as co
 COMMUNICATORS.add("threshold", Threshold, "layer-wise, fused up to kfac.fusion_threshold_mb (LW w/ TTF)")
 COMMUNICATORS.add(
     "optimal", Optimal, "layer-wise, fused by the paper's Eq. 15 from measured times (SP w/ OTF)", needs_profile=True
+)
+COMMUNICATORS.add(
+    "optimal_split",
+    OptimalSplit,
+    "Eq. 15, a group closed once its transfer outweighs its start-up tenfold (for inverting on arrival)",
+    needs_profile=True,
 )

@@ -30,6 +30,11 @@ BROADCASTS.add(
     Broadcast(owner_keeps=True, update=True),
     "a layer's owner inverts both factors, preconditions it and broadcasts the update; no inverse travels",
 )
+BROADCASTS.add(
+    "fused_update",
+    Broadcast(owner_keeps=True, update=True, fused=True),
+    "as update, the updates summed into zero-filled buckets (one all-reduce each): one start-up per bucket",
+)
 GRAD_SYNCS.add("overlap", GradSync(deferred=False), "gradients all-reduced during backward (DDP, Horovod)")
 GRAD_SYNCS.add(
     "deferred",

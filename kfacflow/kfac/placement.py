@@ -21,6 +21,7 @@ __all__ = [
     "precondition_cost",
     "round_robin",
     "schedule",
+    "update_buckets",
 ]
 
 
@@ -271,6 +272,48 @@ def layer_order(dims: Sequence[int], owners: Sequence[int], world_size: int, pro
         finish[j] = busy[owners[2 * j]]
     owned = sorted(finish, key=lambda j: (finish[j], owners[2 * j], j))
     return owned + [j for j in range(n) if owners[2 * j] == EVERY_RANK]
+
+
+def update_buckets(
+    order: Sequence[int], elements: Sequence[int], owners: Sequence[int], profile: Profile | None
+) -> list[list[int]]:
+    """Group the communicated layers of ``order`` for ``kfac.broadcast=fused_update``.
+
+    Consecutive layers of the shared order share a bucket until it has paid for its all-reduce
+    start-up (:meth:`~kfacflow.perf.LinearModel.amortized`: tenfold). A bucket of several layers is one
+    all-reduce of a zero-filled buffer and is kept only where that beats broadcasting its
+    layers one by one (at P = 64 a broadcast start-up costs as much as a million elements and
+    two hundred of them queue on the link; on a slow link an all-reduce's double traffic
+    costs more than the start-ups it saves); otherwise each layer is its own bucket,
+    broadcast alone as soon as its owner has it.
+
+    Args:
+        order: Layer indices in the order every rank preconditions them (:func:`layer_order`).
+        elements: Elements of each layer's update.
+        owners: Owner of each layer (``EVERY_RANK``: computed on every rank, not sent).
+        profile: Fitted performance models (none: every layer alone).
+    """
+    sent = [j for j in order if owners[j] != EVERY_RANK]
+    if profile is None:
+        return [[j] for j in sent]
+    ar, bc = profile.allreduce, profile.broadcast
+    buckets: list[list[int]] = []
+
+    def close(bucket: list[int]) -> None:
+        m = sum(elements[j] for j in bucket)
+        if len(bucket) > 1 and ar(m) < len(bucket) * bc.alpha + bc.beta * m:
+            buckets.append(bucket)
+        else:
+            buckets.extend([j] for j in bucket)
+
+    bucket: list[int] = []
+    for j in sent:
+        bucket.append(j)
+        if ar.amortized(sum(elements[i] for i in bucket)):
+            close(bucket)
+            bucket = []
+    close(bucket)
+    return buckets
 
 
 PLACEMENTS.add("local", local, "every rank inverts every factor; no inverse traffic (D-KFAC)")

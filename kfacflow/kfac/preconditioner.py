@@ -18,7 +18,7 @@ from kfacflow.kfac.fusion import Communicator, estimated_arrivals
 from kfacflow.kfac.inverse import Inverse, warn_once
 from kfacflow.kfac.layers import KFACLayer, find_layers
 from kfacflow.kfac.packing import unpack
-from kfacflow.kfac.placement import by_layer, layer_order, schedule
+from kfacflow.kfac.placement import by_layer, layer_order, schedule, update_buckets
 from kfacflow.kfac.stages import EVERY_RANK, FactorSlot, StageSet
 from kfacflow.perf import Profile
 from kfacflow.timing import StepTimer
@@ -120,9 +120,16 @@ class KFACPreconditioner:
         else:
             sizes = [result.full_elements(d) if broadcast.full else result.elements(d) for d in dims]
         owners = self.stages.placement(dims, sizes, world, self.profile)
+        self.update_buckets: dict[str, list[str]] = {}
+        """With ``kfac.broadcast=fused_update``: the layers of each bucket, keyed by its last layer."""
         if broadcast.update:
             owners = by_layer(dims, owners)
-            self.layer_order = [self.layers[j] for j in layer_order(dims, owners, world, self.profile)]
+            order = layer_order(dims, owners, world, self.profile)
+            self.layer_order = [self.layers[j] for j in order]
+            if broadcast.fused:
+                for bucket in update_buckets(order, sizes[::2], owners[::2], self.profile):
+                    if len(bucket) > 1:
+                        self.update_buckets[self.layers[bucket[-1]].name] = [self.layers[j].name for j in bucket]
         for slot, size, owner in zip(self.slots, sizes, owners, strict=True):
             slot.flat_size, slot.owner = size, owner
         self._schedule()
@@ -357,42 +364,69 @@ class KFACPreconditioner:
         return updates
 
     def _precondition_owned(self, live: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Precondition the layers this rank owns (and every rank's), broadcasting each owned update.
+        """Precondition the layers this rank owns (and every rank's), sending each owned update.
 
-        Every rank walks :attr:`layer_order` and posts each communicated layer's broadcast in it
-        (collectives run in the order they are posted): its own update as soon as it is computed,
-        a receive buffer for the others'. Every rank then applies the owner's bits.
+        Every rank walks :attr:`layer_order` and posts each communicated layer's collective in it
+        (collectives run in the order they are posted): a broadcast of its own update as soon as
+        it is computed, a receive buffer for the others'; a bucket of :attr:`update_buckets` as
+        one all-reduce once its last layer is reached. Every rank then applies the owner's bits.
         """
         rank = self.backend.rank
         owner = {slot.layer.name: slot.owner for slot in self.slots}
+        bucketed = {name for names in self.update_buckets.values() for name in names}
         updates: dict[str, Tensor] = {}
-        posted: list[tuple[str, Tensor, Handle]] = []
+        posted: list[tuple[list[str], Tensor, Handle]] = []
         with torch.no_grad():
             for layer in self.layer_order:
-                grad = live.get(layer.name)
-                if grad is None:
-                    continue
-                src = owner[layer.name]
-                if src in (EVERY_RANK, rank):
+                grad, src = live.get(layer.name), owner[layer.name]
+                if grad is not None and src in (EVERY_RANK, rank):
                     t0 = self.timer.now()
                     update = self.stages.precondition.layer(
                         grad, self.inverses[f"{layer.name}/A"], self.inverses[f"{layer.name}/G"]
                     )
                     self.timer.record(layer.name, "precondition", t0, self.timer.now())
-                    updates[layer.name] = update = update.contiguous()
-                    if src == EVERY_RANK:
-                        continue
-                else:
-                    update = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
-                with self.timer.span("InverseComm"):
-                    handle = self.backend.broadcast_async(update, src)
-                self.timer.on_done(handle, f"{layer.name} update from {src}", "broadcast")
-                posted.append((layer.name, update, handle))
-            for name, update, handle in posted:
+                    updates[layer.name] = update.contiguous()
+                if layer.name in self.update_buckets:
+                    posted += self._post_bucket(self.update_buckets[layer.name], live, updates)
+                elif grad is not None and src != EVERY_RANK and layer.name not in bucketed:
+                    if src != rank:
+                        updates[layer.name] = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+                    with self.timer.span("InverseComm"):
+                        handle = self.backend.broadcast_async(updates[layer.name], src)
+                    self.timer.on_done(handle, f"{layer.name} update from {src}", "broadcast")
+                    posted.append(([], updates[layer.name], handle))
+            for names, buffer, handle in posted:  # names: a bucket's layers, to be cut out of it
                 with self.timer.span("InverseComm"):
                     handle.wait()
-                updates[name] = update
+                offset = 0
+                for name in names:
+                    grad = live[name]
+                    updates[name] = buffer[offset : offset + grad.numel()].view(grad.shape)
+                    offset += grad.numel()
         return updates
+
+    def _post_bucket(
+        self, names: list[str], live: dict[str, Tensor], updates: dict[str, Tensor]
+    ) -> list[tuple[list[str], Tensor, Handle]]:
+        """Sum the owners' updates of one bucket into every rank: one all-reduce of their disjoint pieces.
+
+        Every other rank adds zeros to an owner's piece, and ``x + 0 == x`` exactly, so every rank
+        (the owner too, which takes the reduced copy) ends with the owner's bits.
+        """
+        names = [name for name in names if name in live]
+        if not names:
+            return []
+        first = live[names[0]]
+        buffer = first.new_zeros(sum(live[name].numel() for name in names))
+        offset = 0
+        for name in names:
+            if name in updates:
+                buffer[offset : offset + live[name].numel()].copy_(updates[name].reshape(-1))
+            offset += live[name].numel()
+        with self.timer.span("InverseComm"):
+            handle = self.backend.allreduce_async(buffer)
+        self.timer.on_done(handle, f"{len(names)} updates, {names[0]}..{names[-1]}", "broadcast")
+        return [(names, buffer, handle)]
 
     # --- checkpoints ------------------------------------------------------------------------------
 

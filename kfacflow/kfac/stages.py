@@ -274,12 +274,17 @@ class Broadcast:
     memory and used by the others where it lands: no packing, no unpacking. ``update``: no
     inverse travels; a layer's owner inverts both of its factors, preconditions the layer and
     broadcasts the update (the layer's size, far less than its inverses), so that the
-    preconditioning is shared out too and every rank applies the owner's bits.
+    preconditioning is shared out too and every rank applies the owner's bits. ``fused``
+    (with ``update``): the updates travel in buckets of the shared layer order, each one
+    all-reduce of a zero-filled buffer into which the owners wrote their disjoint pieces
+    (``x + 0 = x`` exactly, so every rank still receives the owner's bits), one start-up per
+    bucket instead of one per layer.
     """
 
     owner_keeps: bool
     full: bool = False
     update: bool = False
+    fused: bool = False
 
 
 @dataclass(frozen=True)

@@ -45,9 +45,12 @@ VARIANTS.add("mpd", Variant("after_backward", "round_robin"), "MPD-KFAC: factors
 VARIANTS.add("d", Variant(), "D-KFAC: factors all-reduced after backward, every rank inverts everything")
 VARIANTS.add(
     "flow",
-    Variant("optimal", "layer", "cholesky_factor", pipeline="arrival", broadcast="update", grad_sync="deferred"),
-    "past the paper: SPD's fusion, whole layers to owners who precondition and send the update, Cholesky "
-    "factors, inversion as factors arrive, gradients behind the inversions",
+    Variant(
+        "optimal_split", "layer", "cholesky_factor", pipeline="arrival", broadcast="fused_update", grad_sync="deferred"
+    ),
+    "past the paper: SPD's fusion with large factors sent alone, whole layers to owners who precondition "
+    "and send the update (in all-reduced buckets where start-ups dominate), Cholesky factors, inversion as "
+    "factors arrive, gradients behind the inversions",
 )
 VARIANTS.add(
     "auto",
