@@ -9,8 +9,18 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Iterable
+from typing import Any
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """``kfacflow.KFACPreconditioner``, the library API, imported on first use (the root stays a leaf)."""
+    if name == "KFACPreconditioner":
+        from kfacflow.library import KFACPreconditioner
+
+        return KFACPreconditioner
+    raise AttributeError(f"module 'kfacflow' has no attribute {name!r}")
 
 
 class UserError(Exception):

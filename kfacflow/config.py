@@ -12,7 +12,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from kfacflow import UserError
+from kfacflow import UserError, did_you_mean
 
 
 def _number(x: float) -> str:
@@ -129,13 +129,21 @@ class TrainConfig:
     keep_checkpoints: int = field(default=2, metadata=at_least(0, "0 keeps every checkpoint"))
     """Newest checkpoints kept on disk; 0 keeps every checkpoint."""
     progress: bool = True
-    """Show a progress bar on rank 0."""
+    """Show a progress bar on rank 0 (where the output is not a terminal: a plain line every ``log_every`` steps)."""
+    metrics: Literal["none", "csv", "jsonl"] = "none"
+    """Also append the logged metrics (train every ``log_every`` steps, each evaluation) to ``metrics.csv`` or
+    ``metrics.jsonl`` in the run folder."""
     max_nonfinite: int = field(default=5, metadata=at_least(1))
     """Steps in a row with a non-finite loss or gradient (each skipped on every rank) before training stops."""
     timing_warmup: int = field(default=2, metadata=at_least(0))
     """First steps left out of the mean time breakdown and the median step time in summary.json."""
     timeline: int = field(default=0, metadata=at_least(0, "0 is off"))
     """Record step N (from 1) of every rank as timeline.json (Chrome trace) and timeline.png; 0 is off."""
+    ema: float = field(default=0.0, metadata=within(0, 1, "0 is off"))
+    """Decay of an exponential moving average of the weights and buffers, updated after every optimizer step and
+    evaluated beside the model (``val_loss_ema``, ``val_acc_ema``); 0 is off."""
+    label_smoothing: float = field(default=0.0, metadata=within(0, 1, "0 is off"))
+    """Label smoothing of the training loss (``F.cross_entropy``); evaluation reports the plain loss."""
     accumulate: int = field(default=1, metadata=at_least(1, "1 is no accumulation"))
     """Micro-batches of data.batch_size per optimizer step (gradient accumulation): factors and gradients
     are those of one batch accumulate times larger."""
@@ -154,7 +162,13 @@ class OptimConfig:
     nesterov: bool = False
     """Nesterov momentum; needs ``momentum`` > 0."""
     weight_decay: float = field(default=0.0, metadata=at_least(0, "0 is none"))
-    """L2 penalty added to the gradient."""
+    """L2 penalty added to the gradient (``sgd``), or decoupled weight decay (``adamw``)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999], metadata=within(0, 1))
+    """``adamw``: decay rates of the first and second moment estimates."""
+    eps: float = field(default=1e-8, metadata=above(0))
+    """``adamw``: added to the denominator."""
+    clip_grad_norm: float = field(default=0.0, metadata=at_least(0, "0 is off"))
+    """Scale the applied gradient (after K-FAC) so that its global L2 norm is at most this; 0 is off."""
 
 
 @dataclass
@@ -374,10 +388,37 @@ def _merge(base: DictConfig, other: object, where: str) -> DictConfig:
     return merged
 
 
+SHIPPED = Path(__file__).with_name("recipes")
+"""The recipes that ship inside the package; a recipe may be named by its file name without ``.yaml``."""
+
+
+def shipped_recipes() -> list[str]:
+    """Return the names of the shipped recipes (``quickstart``, ...)."""
+    return sorted(p.stem for p in SHIPPED.glob("*.yaml"))
+
+
+def find_recipe(path: str) -> str:
+    """Return ``path`` if it exists, else the shipped recipe it names (``quickstart``, ``quickstart.yaml``).
+
+    Raises:
+        UserError: Neither a file nor a shipped recipe.
+    """
+    if os.path.exists(path):
+        return path
+    name = path.removesuffix(".yaml")
+    if os.sep not in name and (SHIPPED / f"{name}.yaml").is_file():
+        return str(SHIPPED / f"{name}.yaml")
+    hint = did_you_mean(name, shipped_recipes()) if os.sep not in name else ""
+    if "." in name and all(part.isidentifier() for part in name.split(".")):
+        hint += f" An override needs a value: {name}=VALUE."
+    raise UserError(
+        f"recipe {path!r} does not exist.{hint} Give a YAML file or a shipped recipe: {', '.join(shipped_recipes())}."
+    )
+
+
 def _read_recipe(path: str) -> object:
     where = f"recipe {path!r}"
-    if not os.path.exists(path):
-        raise UserError(f"{where} does not exist. Recipes shipped: recipes/*.yaml")
+    path = find_recipe(path)
     data = read_yaml(path, where, "a YAML file such as recipes/quickstart.yaml")
     if data is None:
         return {}
@@ -464,6 +505,10 @@ def check(cfg: DictConfig) -> None:
     """
     _check_ranges(cfg, RunConfig)
     _check_name(cfg.name)
+    if len(cfg.optim.betas) != 2:
+        raise UserError(
+            f"optim.betas takes two numbers in [0, 1), e.g. optim.betas=[0.9,0.999]; got {cfg.optim.betas}."
+        )
     if cfg.optim.nesterov and cfg.optim.momentum <= 0:
         raise UserError(
             f"optim.nesterov=true needs optim.momentum > 0 (it is {cfg.optim.momentum}); "
@@ -475,6 +520,24 @@ def check(cfg: DictConfig) -> None:
             f"kfac.inv_update_freq={k.inv_update_freq} must be a multiple of "
             f"kfac.factor_update_freq={k.factor_update_freq}."
         )
+
+
+def kfac_section(values: dict[str, Any], where: str) -> KFACConfig:
+    """Validate ``kfac`` keys given in code (the library API) as a recipe's are; return the section.
+
+    Raises:
+        UserError: An unknown key, a wrong type or a value out of range, naming the key.
+    """
+    node = _merge(OmegaConf.structured(KFACConfig), values, where)
+    _check_ranges(node, KFACConfig, "")
+    if node.inv_update_freq % node.factor_update_freq:
+        raise UserError(
+            f"{where}: inv_update_freq={node.inv_update_freq} must be a multiple of "
+            f"factor_update_freq={node.factor_update_freq}."
+        )
+    section = OmegaConf.to_object(node)
+    assert isinstance(section, KFACConfig)
+    return section
 
 
 def to_yaml(cfg: DictConfig) -> str:

@@ -97,7 +97,13 @@ def build_datasets(cfg: DataConfig) -> tuple[Dataset, Dataset, DataInfo]:
     """
     check_data(cfg)
     builder: Builder = DATASETS.get(cfg.name)  # type: ignore[assignment]
-    train, val, info = builder(cfg)
+    built = builder(cfg)
+    if not (isinstance(built, tuple) and len(built) == 3 and isinstance(built[2], DataInfo)):
+        raise UserError(
+            f"data.name={cfg.name!r} must return (train set, validation set, kfacflow.data.DataInfo), "
+            f"not {type(built).__name__}."
+        )
+    train, val, info = built
     logger.info("dataset %s: %d train, %d val, %s", cfg.name, len(train), len(val), info)  # type: ignore[arg-type]
     return train, val, info
 

@@ -46,6 +46,8 @@ def under_launcher() -> bool:
     return ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or under_mpi_launcher()
 
 
+PROGRAM_VAR = "KFACFLOW_PROGRAM"
+"""Set to ``kfacflow`` when the installed command started the job (``command.txt`` and the resume hint show it)."""
 FAILURES_VAR = "KFACFLOW_FAILURES"
 """A folder where each failing worker of a self-launched job notes when and how it failed."""
 HANDLED_CODES = (UserError.exit_code, TrainingError.exit_code, StorageError.exit_code)
@@ -96,14 +98,17 @@ def launcher_command() -> list[str] | None:
 
 
 def command_line(argv: list[str]) -> list[str]:
-    """Return the command that started this job: the launcher's, or ``python run.py ARGS``."""
+    """Return the command that started this job: the launcher's, ``kfacflow ARGS`` or ``python run.py ARGS``."""
     launcher = launcher_command() if under_launcher() else None
-    return launcher or ["python", "run.py", *argv]
+    program = ["kfacflow"] if os.environ.get(PROGRAM_VAR) == "kfacflow" else ["python", "run.py"]
+    return launcher or [*program, *argv]
 
 
 def continue_command(run_dir: Path, argv: list[str]) -> str:
     """Return the command that resumes ``run_dir`` the way this job was launched."""
     command = command_line(argv)
+    if command[0] == "kfacflow":
+        return shlex.join(["kfacflow", f"resume={run_dir}"])
     script = next((i for i, a in enumerate(command) if a.endswith(".py")), None)
     if script is None:
         return f"the same launcher command, with run.py resume={run_dir}"

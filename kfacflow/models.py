@@ -37,7 +37,8 @@ def build_model(name: str, num_classes: int, in_channels: int) -> nn.Module:
         model = builder(name[len(TIMM_PREFIX) :], num_classes, in_channels)
     else:
         model = builder(num_classes, in_channels)
-    assert isinstance(model, nn.Module)
+    if not isinstance(model, nn.Module):  # a user's factory (module.path:factory) may return anything
+        raise UserError(f"model.name={name!r} returned {type(model).__name__}, not a torch.nn.Module.")
     logger.info("model %s: %d parameters", name, sum(p.numel() for p in model.parameters()))
     return model
 
@@ -53,6 +54,9 @@ def check_name(name: str) -> None:
     """
     if name.startswith(TIMM_PREFIX):
         _check_timm(name[len(TIMM_PREFIX) :])
+        return
+    if ":" in name:  # the user's own module.path:factory
+        MODELS.get(name)
         return
     known = [n for n in MODELS.names() if not n.endswith("/")]
     if name not in known:

@@ -22,6 +22,13 @@ def sgd(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.O
     )
 
 
+@OPTIMIZERS.register("adamw", "AdamW (decoupled weight decay; optim.betas, optim.eps), fed the preconditioned gradient")
+def adamw(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """Return ``torch.optim.AdamW`` configured from ``cfg`` (``momentum`` and ``nesterov`` do not apply)."""
+    beta1, beta2 = cfg.betas
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=(beta1, beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
     """Return the optimizer ``cfg.name`` over ``params``."""
     optimizer: torch.optim.Optimizer = OPTIMIZERS.get(cfg.name)(params, cfg)  # type: ignore[assignment]

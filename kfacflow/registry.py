@@ -6,6 +6,9 @@ types of the entries are the stage contracts of :mod:`kfacflow.kfac.stages`, imp
 
 from __future__ import annotations
 
+import importlib
+import os
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -54,9 +57,11 @@ class Registry(Generic[T]):
         key: The recipe key that selects an entry, e.g. ``"model.name"``; used in errors.
     """
 
-    def __init__(self, kind: str, key: str) -> None:
+    def __init__(self, kind: str, key: str, imports: str = "") -> None:
         self.kind = kind
         self.key = key
+        self.imports = imports
+        """What a ``module.path:factory`` name must give, if the user may name their own (empty: no)."""
         self._entries: dict[str, Entry[T]] = {}
 
     def register(self, name: str, description: str, needs_profile: bool = False) -> Callable[[T], T]:
@@ -92,6 +97,8 @@ class Registry(Generic[T]):
         """
         if name in self._entries:
             return self._entries[name].obj
+        if self.imports and ":" in name:
+            return self._import(name)  # type: ignore[no-any-return]
         prefix = self.prefix_of(name)
         if prefix is not None:
             return self._entries[prefix].obj
@@ -99,6 +106,23 @@ class Registry(Generic[T]):
             f"{self.key}: unknown {self.kind} {name!r}.{did_you_mean(name, self._entries)} "
             f"Available: {', '.join(self.names())} (see `python run.py --list {self.kind}`)."
         )
+
+    def _import(self, name: str) -> Any:
+        """Import the user's ``module.path:factory`` (from the working folder or ``PYTHONPATH``)."""
+        module_name, _, attr = name.partition(":")
+        if os.getcwd() not in sys.path:  # `python run.py` puts its own folder there, not the user's
+            sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as err:  # noqa: BLE001 - any failure of the user's module is reported in one line
+            raise UserError(
+                f"{self.key}={name!r}: cannot import {module_name!r} ({type(err).__name__}: {err}); the module "
+                "must be importable from the working folder or PYTHONPATH."
+            ) from None
+        factory = getattr(module, attr, None)
+        if not callable(factory):
+            raise UserError(f"{self.key}={name!r}: {module_name!r} has no function {attr!r}; {self.imports}.")
+        return factory
 
     def prefix_of(self, name: str) -> str | None:
         """Return the prefix entry (``"timm/"``) that covers ``name``, if any."""
@@ -119,8 +143,14 @@ class Registry(Generic[T]):
 
 
 # Every registry instance; the plugin modules fill them when kfacflow.build imports them.
-MODELS: Registry[Callable[..., nn.Module]] = Registry("model", "model.name")
-DATASETS: Registry[Callable[..., tuple[Dataset[Any], Dataset[Any], Any]]] = Registry("dataset", "data.name")
+MODELS: Registry[Callable[..., nn.Module]] = Registry(
+    "model", "model.name", imports="give a function (num_classes, in_channels) -> torch.nn.Module"
+)
+DATASETS: Registry[Callable[..., tuple[Dataset[Any], Dataset[Any], Any]]] = Registry(
+    "dataset",
+    "data.name",
+    imports="give a function (data config) -> (train set, validation set, kfacflow.data.DataInfo)",
+)
 OPTIMIZERS: Registry[Callable[..., Any]] = Registry("optimizer", "optim.name")
 SCHEDULES: Registry[Callable[..., Callable[[int], float]]] = Registry("schedule", "schedule.name")
 BACKENDS: Registry[Callable[..., Backend]] = Registry("backend", "dist.backend")

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import errno
+import io
 import json
 import logging
 import os
+import pickle
 import platform
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kfacflow import StorageError, UserError
+from kfacflow import StorageError, UserError, __version__
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +60,8 @@ def write_metadata(run_dir: Path, config_yaml: str, argv: list[str], resumed: bo
         command = (run_dir / "command.txt").read_text(errors="replace") + command
     write_atomic(run_dir / "command.txt", command.encode())
     versions = {
+        "kfacflow": __version__,
+        "git_commit": _git_commit(),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "torch": torch.__version__,
@@ -67,6 +72,27 @@ def write_metadata(run_dir: Path, config_yaml: str, argv: list[str], resumed: bo
         if module is not None:
             versions[mod] = getattr(module, "__version__", "?")
     write_atomic(run_dir / "versions.json", json.dumps(versions, indent=2).encode())
+
+
+def _git_commit() -> str | None:
+    """Return the commit of the kfacflow checkout that runs (``+dirty`` with local changes), or None if not one."""
+    source = Path(__file__).resolve().parents[1]
+    if not (source / ".git").exists():  # an installed copy: no checkout of ours around it
+        return None
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=source, capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=source,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -162,7 +188,10 @@ def read_checkpoint(path: Path, quiet: bool = False) -> dict[str, Any] | None:
     """Return the checkpoint at ``path``, or None (with a warning unless ``quiet``) if it is unreadable."""
     try:
         # quiet reads only look at the metadata: mmap leaves the tensors on disk until used.
-        state = torch.load(path, map_location="cpu", weights_only=False, mmap=quiet)
+        try:  # tensors, numbers and strings only: what torch.load opens safely
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=quiet)
+        except pickle.UnpicklingError:  # written before the RNG states were stored as tensors
+            state = torch.load(path, map_location="cpu", weights_only=False, mmap=quiet)
         if not isinstance(state, dict) or any(key not in state for key in CHECKPOINT_KEYS):
             raise ValueError("not a kfacflow checkpoint")
     except Exception as err:  # noqa: BLE001 - any unreadable file falls back to the previous one
@@ -173,7 +202,33 @@ def read_checkpoint(path: Path, quiet: bool = False) -> dict[str, Any] | None:
     return state
 
 
-def load_latest_checkpoint(run_dir: Path, quiet: bool = False) -> dict[str, Any]:
+def export_weights(run_dir: Path) -> Path:
+    """Write the newest checkpoint's model weights as ``export/model_step_<step>.pt`` and return its path.
+
+    The file holds ``model`` (the ``state_dict``), ``step``, ``meta`` (model, data, world size) and,
+    with ``train.ema``, ``model_ema``: nothing but tensors, numbers and strings, so that
+    ``torch.load(path, weights_only=True)`` opens it.
+
+    Raises:
+        UserError: If the folder has no readable checkpoint.
+        StorageError: If the file cannot be written.
+    """
+    state = load_latest_checkpoint(run_dir, what="export")
+    path = run_dir / "export" / f"model_step_{int(state['step']):08d}.pt"
+    weights = {"model": state["model"], "step": int(state["step"]), "meta": state.get("meta", {})}
+    if state.get("ema") is not None:  # train.ema: the averaged weights too, under the model's own names
+        weights["model_ema"] = {k.removeprefix("module."): v for k, v in state["ema"].items() if k != "n_averaged"}
+    buffer = io.BytesIO()
+    torch.save(weights, buffer)
+    try:
+        path.parent.mkdir(exist_ok=True)
+    except OSError as err:
+        raise storage_error(path.parent, err) from None
+    write_atomic(path, buffer.getvalue())
+    return path
+
+
+def load_latest_checkpoint(run_dir: Path, quiet: bool = False, what: str = "resume") -> dict[str, Any]:
     """Return the newest readable checkpoint of ``run_dir``, skipping unreadable ones with a warning.
 
     Raises:
@@ -186,5 +241,6 @@ def load_latest_checkpoint(run_dir: Path, quiet: bool = False) -> dict[str, Any]
             if not quiet:
                 logger.info("resuming from %s", path)
             return state
-    what = "no readable checkpoint" if found else "no checkpoint"
-    raise UserError(f"resume: {str(run_dir)!r} has {what} in {CHECKPOINTS}/; start a new run without resume=.")
+    missing = "no readable checkpoint" if found else "no checkpoint"
+    hint = "start a new run without resume=" if what == "resume" else "give a run folder that has trained a step"
+    raise UserError(f"{what}: {str(run_dir)!r} has {missing} in {CHECKPOINTS}/; {hint}.")

@@ -9,6 +9,7 @@ import json
 import logging
 import signal
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,8 @@ from kfacflow.timing import summarize
 logger = logging.getLogger(__name__)
 
 TIMINGS = "timings.jsonl"
+METRICS = ("step", "kind", "loss", "acc", "lr", "step_s", "images_per_s")
+"""The columns of ``metrics.csv`` (``train.metrics=csv``); validation rows leave the last three empty."""
 
 
 class RunLog:
@@ -32,10 +35,14 @@ class RunLog:
         rank: This worker's rank.
     """
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, rank: int) -> None:
+    def __init__(self, cfg: DictConfig, run_dir: Path, rank: int, world: int = 1) -> None:
         self.cfg, self.run_dir, self.on = cfg, run_dir, rank == 0
+        self.images_per_step = cfg.data.batch_size * cfg.train.accumulate * world
         self.writer: Any = None
         self.bar: Any = None
+        self.lines = False
+        """A plain log line every ``train.log_every`` steps instead of the bar (output is not a terminal)."""
+        self.total = 0
         self.timings: list[dict[str, float]] = []
         """The breakdown of every step this process trained (for the means in the summary)."""
         self._written = 0
@@ -48,10 +55,13 @@ class RunLog:
 
         self.writer = SummaryWriter(str(self.run_dir), purge_step=step or None)
         self.writer.add_text("config", "```\n" + to_yaml(self.cfg) + "\n```", step)
-        if self.cfg.train.progress:
+        self.total = total
+        if self.cfg.train.progress and sys.stderr.isatty():
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=step, desc=self.cfg.name, unit="step", dynamic_ncols=True)
+        else:  # a piped log would get a bar redraw per step, joined by carriage returns
+            self.lines = self.cfg.train.progress
 
     def advance(self, loss: float, epoch: int) -> None:
         """Move the bar by one step."""
@@ -75,13 +85,36 @@ class RunLog:
         self.writer.add_scalar("train/acc", acc, step)
         self.writer.add_scalar("train/lr", lr, step)
         fresh = self.timings[self._written :]
+        mean = summarize(fresh, 0)
+        record: dict[str, Any] = {"step": step, "kind": "train", "loss": loss, "acc": acc, "lr": lr}
         if fresh:
+            record["step_s"] = mean["total"]
+            record["images_per_s"] = self.images_per_step / mean["total"] if mean["total"] > 0 else None
             self.writer.add_scalar("time/step_s", fresh[-1]["total"], step)
-        for part, seconds in summarize(fresh, 0).items():
+            if record["images_per_s"] is not None:
+                self.writer.add_scalar("time/images_per_s", record["images_per_s"], step)
+        for part, seconds in mean.items():
             self.writer.add_scalar(f"breakdown/{part}", seconds, step)
         lines = [json.dumps({"step": self._written + i + 1, **p}) + "\n" for i, p in enumerate(fresh)]
         rundir.append_lines(self.run_dir / TIMINGS, lines)
         self._written = len(self.timings)
+        self._metrics(record)
+        if self.lines:
+            speed = f", {record['step_s']:.3f} s/step, {record['images_per_s']:.0f} images/s" if fresh else ""
+            logger.info(
+                "%s: step %d/%d, loss %.4f, acc %.4f, lr %.3g%s", self.cfg.name, step, self.total, loss, acc, lr, speed
+            )
+
+    def _metrics(self, record: dict[str, Any]) -> None:
+        """Append one row to ``metrics.csv`` or ``metrics.jsonl`` (``train.metrics``)."""
+        kind = self.cfg.train.metrics
+        if kind == "jsonl":
+            rundir.append_lines(self.run_dir / "metrics.jsonl", [json.dumps(record) + "\n"])
+        elif kind == "csv":
+            path = self.run_dir / "metrics.csv"
+            header = [] if path.is_file() else [",".join(METRICS) + "\n"]
+            row = ",".join("" if record.get(k) is None else str(record[k]) for k in METRICS) + "\n"
+            rundir.append_lines(path, [*header, row])
 
     def evaluation(self, record: dict[str, float]) -> None:
         """Write one evaluation."""
@@ -89,6 +122,12 @@ class RunLog:
             return
         self.writer.add_scalar("val/loss", record["val_loss"], record["step"])
         self.writer.add_scalar("val/acc", record["val_acc"], record["step"])
+        self._metrics({"step": record["step"], "kind": "val", "loss": record["val_loss"], "acc": record["val_acc"]})
+        if "val_acc_ema" in record:
+            self.writer.add_scalar("val_ema/loss", record["val_loss_ema"], record["step"])
+            self.writer.add_scalar("val_ema/acc", record["val_acc_ema"], record["step"])
+            row = {"step": record["step"], "kind": "val_ema", "loss": record["val_loss_ema"]}
+            self._metrics(row | {"acc": record["val_acc_ema"]})
         logger.info("epoch %g: val_loss %.4f val_acc %.4f", record["epoch"], record["val_loss"], record["val_acc"])
 
     def timeline(
@@ -103,7 +142,11 @@ class RunLog:
         profile = layer_profile(events, layers, parts, world, cfg.data.batch_size, inverse)
         profile = {"model": cfg.model.name, "image_size": cfg.data.image_size, **profile}
         rundir.write_atomic(self.run_dir / "layers.json", json.dumps(profile, indent=1).encode())
-        figure = write_timeline(events, self.run_dir, f"{cfg.name}: step {step} ({cfg.kfac.variant})")
+        title = (
+            f"{cfg.name}: step {step} of {cfg.model.name}, {cfg.kfac.variant}, {world} "
+            f"worker{'s' if world > 1 else ''}, {parts.get('total', 0.0):.2f} s"
+        )
+        figure = write_timeline(events, self.run_dir, title)
         if figure is not None:
             self.writer.add_figure("timeline", figure, step)
 
@@ -124,6 +167,7 @@ class RunLog:
             "train_loss": train_loss,
             "val_loss": last["val_loss"],
             "val_acc": last["val_acc"],
+            **({k: last.get(k) for k in ("val_loss_ema", "val_acc_ema")} if self.cfg.train.ema > 0 else {}),
             "steps": trainer.step,
             "epochs": trainer.step / trainer.steps_per_epoch,
             "world_size": trainer.world,

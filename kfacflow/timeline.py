@@ -17,10 +17,28 @@ COLORS = {
     "backward": "C1",
     "factor": "C2",
     "allreduce": "C3",
+    "average": "C9",
     "inverse": "C4",
     "pack": "C6",
+    "unpack": "C8",
     "broadcast": "C5",
 }
+MEANING = {
+    "forward": "forward pass",
+    "backward": "backward pass",
+    "factor": "factor computation (hooks)",
+    "allreduce": "all-reduce (factors, gradients), launch to end",
+    "average": "running averages of the factors",
+    "inverse": "inversion",
+    "pack": "packing an inverse to send",
+    "broadcast": "broadcast (inverse or update), launch to end",
+    "unpack": "unpacking a received inverse",
+    "precondition": "preconditioning a layer",
+}
+"""The legend: what each lane's bars are."""
+LABELLED = ("allreduce", "inverse", "broadcast")
+LABELS = 3
+"""The longest bars of these lanes carry their names (the largest factors)."""
 
 
 def write_timeline(events_by_rank: list[list[dict[str, Any]]], run_dir: Path, title: str) -> Any:
@@ -36,18 +54,30 @@ def write_timeline(events_by_rank: list[list[dict[str, Any]]], run_dir: Path, ti
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
-    rows = [(rank, lane) for rank in range(len(events_by_rank)) for lane in ROWS]
-    fig, ax = plt.subplots(figsize=(12, 0.35 * len(rows) + 1.2))
+    used = [lane for lane in ROWS if any(_lane(e) == lane for events in events_by_rank for e in events)]
+    rows = [(rank, lane) for rank in range(len(events_by_rank)) for lane in used]
+    fig, ax = plt.subplots(figsize=(12, 0.35 * len(rows) + 2.0))
+    longest: list[tuple[float, float, int, str]] = []
     for y, (rank, lane) in enumerate(rows):
-        spans = [(e["t0"], e["t1"] - e["t0"]) for e in events_by_rank[rank] if _lane(e) == lane]
-        if spans:
+        events = [e for e in events_by_rank[rank] if _lane(e) == lane]
+        if events:
+            spans = [(e["t0"], e["t1"] - e["t0"]) for e in events]
             ax.broken_barh(spans, (y - 0.4, 0.8), facecolors=COLORS[lane], edgecolors="black", linewidth=0.2)
+        if lane in LABELLED:
+            longest += [(e["t1"] - e["t0"], e["t0"], y, str(e["name"])) for e in events]
+    for lane in LABELLED:  # each labelled lane's longest bars, over every rank
+        mine = [x for x in longest if rows[x[2]][1] == lane]
+        for width, t0, y, name in sorted(mine, reverse=True)[:LABELS]:
+            ax.text(t0 + width / 2, y, name, ha="center", va="center", fontsize=6, clip_on=True)
     ax.set_yticks(range(len(rows)), [f"rank {r} {lane}" for r, lane in rows], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("seconds from the start of the step")
     ax.set_title(title, fontsize=9)
     ax.grid(axis="x", alpha=0.3)
+    legend = [Patch(facecolor=COLORS[lane], edgecolor="black", label=MEANING[lane]) for lane in used]
+    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=4, fontsize=7, frameon=False)
     fig.tight_layout()
     fig.savefig(run_dir / "timeline.png", dpi=110)
     return fig
@@ -82,8 +112,9 @@ def layer_profile(
     for events in events_by_rank:
         for key, seconds in spans(events, "inverse").items():
             inverse[key] = max(inverse.get(key, 0.0), seconds)
-        for key, seconds in spans(events, "pack").items():
-            pack[key] = max(pack.get(key, 0.0), seconds)
+        for lane in ("pack", "unpack"):  # unpacking is "<key> unpack"
+            for key, seconds in spans(events, lane).items():
+                pack[key] = max(pack.get(key, 0.0), seconds)
     total_fwd = sum(forward.get(layer.name, 0.0) for layer in layers) or 1.0
     backward = compute.get("backward", 0.0)
     rows = []

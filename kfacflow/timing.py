@@ -28,7 +28,19 @@ from typing import Any
 import torch
 
 CATEGORIES = ("FF&BP", "GradComm", "FactorComp", "FactorComm", "InverseComp", "InverseComm", "Other", "Between")
-LANES = ("forward", "backward", "compute", "factor", "allreduce", "inverse", "pack", "broadcast", "precondition")
+LANES = (
+    "forward",
+    "backward",
+    "compute",
+    "factor",
+    "allreduce",
+    "average",
+    "inverse",
+    "pack",
+    "broadcast",
+    "unpack",
+    "precondition",
+)
 """Where traced events go, in display order."""
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import Tensor
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from kfacflow import StorageError, TrainingError, UserError, auto, build, rundir
 from kfacflow.build import Training
@@ -58,7 +59,13 @@ class Trainer:
         self.variant = cfg.kfac.variant
         """The variant in force (``auto`` becomes the preset it chose)."""
         self.image = f"{built.info.channels}x{built.info.image_size}x{built.info.image_size}"
-        self.report = RunLog(cfg, run_dir, self.rank)
+        self.report = RunLog(cfg, run_dir, self.rank, self.world)
+        self.ema = (
+            AveragedModel(self.model, multi_avg_fn=get_ema_multi_avg_fn(cfg.train.ema), use_buffers=True)
+            if cfg.train.ema > 0
+            else None
+        )
+        """The moving average of the weights (``train.ema``); every rank keeps the same one."""
         self.step = 0
         self.history: list[dict[str, float]] = []
         self.stop_requested = 0
@@ -105,6 +112,7 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "kfac": self.kfac.state_dict() if self.kfac else None,
+            "ema": self.ema.state_dict() if self.ema is not None else None,
             "history": self.history,
             "rng": self.backend.gather_objects(rng_state()),
         }
@@ -116,6 +124,8 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         if self.kfac and state["kfac"]:
             self.kfac.load_state_dict(state["kfac"])
+        if self.ema is not None and state.get("ema") is not None:
+            self.ema.load_state_dict(state["ema"])  # a run resumed with train.ema newly on starts it afresh
         self.step, self.history = int(state["step"]), list(state["history"])
         set_rng_state(state["rng"][self.rank])
 
@@ -216,7 +226,7 @@ class Trainer:
             with self.backend.no_sync(self.net) if self.deferred or i < len(batches) - 1 else nullcontext():
                 with self.timer.compute("forward"):
                     out = self._forward(x)
-                loss = F.cross_entropy(out, y)
+                loss = F.cross_entropy(out, y, label_smoothing=self.cfg.train.label_smoothing)
                 with self.timer.compute("backward"):
                     (loss if len(batches) == 1 else loss / len(batches)).backward()
             loss_sum += float(loss.detach()) * y.shape[0]
@@ -238,7 +248,11 @@ class Trainer:
         if skip:
             self.timer.end_step()  # a skipped step is not timed, and its time is no other step's
             return value, totals
+        if self.cfg.optim.clip_grad_norm > 0:  # on what is applied; the same on every rank (averaged)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.clip_grad_norm)
         self.backend.optimizer_step(self.optimizer)
+        if self.ema is not None:
+            self.ema.update_parameters(self.model)
         self._next_step()
         parts = self.timer.end_step(grad_launch=self.backend.last_grad_launch)
         self.report.step_timed(parts)
@@ -341,21 +355,25 @@ class Trainer:
             self._evaluate_now(epoch)
 
     def _evaluate_now(self, epoch: float) -> None:
-        self.net.eval()
-        sums = torch.zeros(3, dtype=torch.float64, device=self.device)
-        for x, y in self.val_loader:
-            x, y = x.to(self.device, self.dtype), y.to(self.device)
-            out = self.net(x)
-            sums += torch.stack(
-                [
-                    F.cross_entropy(out, y, reduction="sum").double(),
-                    (out.argmax(1) == y).sum().double(),
-                    torch.tensor(float(y.shape[0]), dtype=torch.float64, device=self.device),
-                ]
-            )
-        total = self.backend.allreduce_sum(sums).cpu()
-        n = max(float(total[2]), 1.0)
-        record = {"epoch": epoch, "step": self.step, "val_loss": float(total[0]) / n, "val_acc": float(total[1]) / n}
+        record = {"epoch": epoch, "step": self.step}
+        for suffix, net in (("", self.net), ("_ema", self.ema)):
+            if net is None:
+                continue
+            net.eval()
+            sums = torch.zeros(3, dtype=torch.float64, device=self.device)
+            for x, y in self.val_loader:
+                x, y = x.to(self.device, self.dtype), y.to(self.device)
+                out = net(x)
+                sums += torch.stack(
+                    [
+                        F.cross_entropy(out, y, reduction="sum").double(),
+                        (out.argmax(1) == y).sum().double(),
+                        torch.tensor(float(y.shape[0]), dtype=torch.float64, device=self.device),
+                    ]
+                )
+            total = self.backend.allreduce_sum(sums).cpu()
+            n = max(float(total[2]), 1.0)
+            record |= {f"val_loss{suffix}": float(total[0]) / n, f"val_acc{suffix}": float(total[1]) / n}
         self.history.append(record)
         self.report.evaluation(record)
 

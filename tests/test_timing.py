@@ -99,3 +99,33 @@ def test_consecutive_steps_tile_the_wall_clock() -> None:
         assert parts["total"] == pytest.approx(parts["Between"] + 0.02, abs=0.015)
     # Every second of the run is in a step or outside one.
     assert sum(p["total"] for p in totals) + 3 * 0.05 + 0.03 == pytest.approx(elapsed, abs=0.03)
+
+
+def test_the_timeline_picture_explains_itself(tmp_path: Path) -> None:
+    from kfacflow.timeline import MEANING, write_timeline
+
+    def ev(name: str, lane: str, t0: float, t1: float) -> dict[str, object]:
+        return {"name": name, "lane": lane, "t0": t0, "t1": t1}
+
+    ranks = [
+        [
+            ev("forward", "compute", 0.0, 1.0),
+            ev("l1/A", "allreduce", 0.5, 0.6),
+            ev("l4/A", "allreduce", 1.0, 3.0),  # the largest factors are named on their bars
+            ev("l3/A", "allreduce", 3.0, 4.0),
+            ev("l2/G", "allreduce", 4.0, 4.5),
+            ev("average 4 factors", "average", 4.5, 4.6),
+            ev("l4/A", "inverse", 4.6, 6.0),
+        ],
+        [ev("forward", "compute", 0.0, 1.1), ev("l4/A unpack", "unpack", 6.0, 6.2)],
+    ]
+    fig = write_timeline(ranks, tmp_path, "run: step 4 of resnet50, flow, 2 workers, 6.20 s")
+    ax = fig.axes[0]
+    assert ax.get_title() == "run: step 4 of resnet50, flow, 2 workers, 6.20 s"
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        MEANING[lane] for lane in ("forward", "allreduce", "average", "inverse", "unpack")
+    ]
+    assert sorted(t.get_text() for t in ax.texts) == ["l2/G", "l3/A", "l4/A", "l4/A"]  # top 3 all-reduces, 1 inverse
+    rows = [t.get_text() for t in ax.get_yticklabels()]
+    assert rows[:5] == ["rank 0 forward", "rank 0 allreduce", "rank 0 average", "rank 0 inverse", "rank 0 unpack"]
+    assert (tmp_path / "timeline.png").is_file()

@@ -19,12 +19,25 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Every kfacflow module and the kfacflow modules it imports anywhere (in functions, for mypy only too)."""
+def lazy_exports(tree: ast.Module) -> set[ast.AST]:
+    """The import nodes inside a module's ``__getattr__`` (PEP 562): loaded on first use of a name, never on import."""
+    hooks = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "__getattr__"]
+    return {node for hook in hooks for node in ast.walk(hook) if isinstance(node, ast.Import | ast.ImportFrom)}
+
+
+def import_graph(lazy: bool = False) -> dict[str, set[str]]:
+    """Every kfacflow module and the kfacflow modules it imports anywhere (in functions, for mypy only too).
+
+    ``lazy``: only the imports of a module's ``__getattr__`` instead (the root's re-export of the library API).
+    """
     modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for name, path in modules.items():
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        hooked = lazy_exports(tree)
+        for node in ast.walk(tree):
+            if (node in hooked) != lazy:
+                continue
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -89,8 +102,10 @@ def test_schema_and_registry_import_nothing_else_of_kfacflow() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["kfacflow", "kfacflow.config", "kfacflow.registry"]
     graph = import_graph()
-    # The package root holds only the exceptions every layer raises, and imports nothing of kfacflow.
+    # The package root holds only the exceptions every layer raises, and imports nothing of kfacflow
+    # but, on first use of the name, the library API it re-exports (kfacflow.KFACPreconditioner).
     assert graph["kfacflow"] == set() and graph["kfacflow.config"] == {"kfacflow"}
+    assert {m: deps for m, deps in import_graph(lazy=True).items() if deps} == {"kfacflow": {"kfacflow.library"}}
     # The registry's only other imports are the stage types, for mypy (under TYPE_CHECKING).
     assert graph["kfacflow.registry"] <= {"kfacflow", "kfacflow.comm.base", "kfacflow.kfac.stages"}
 

@@ -57,7 +57,8 @@ class HorovodBackend(Backend):
 
     def __init__(self, cfg: DistConfig) -> None:
         hvd = _import_horovod()
-        hvd.init()
+        if not hvd.is_initialized():  # the library API joins the job the user started
+            hvd.init()
         self.hvd = hvd
         self.rank, self.world_size = hvd.rank(), hvd.size()
         self.local_rank, self.local_world_size = hvd.local_rank(), hvd.local_size()

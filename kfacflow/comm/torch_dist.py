@@ -38,8 +38,10 @@ class TorchBackend(Backend):
     """
 
     def __init__(self, cfg: DistConfig) -> None:
-        self.rank = int(os.environ.get("RANK", 0))
-        self.world_size = int(os.environ.get("WORLD_SIZE", 1))
+        self.joined = dist.is_available() and dist.is_initialized()
+        """Whether the default process group was there already (the library API: the user's own job)."""
+        self.rank = dist.get_rank() if self.joined else int(os.environ.get("RANK", 0))
+        self.world_size = dist.get_world_size() if self.joined else int(os.environ.get("WORLD_SIZE", 1))
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         self.device = pick_device(cfg.device, self.local_rank)
@@ -48,7 +50,10 @@ class TorchBackend(Backend):
         if self.world_size > 1:
             engine = "nccl" if self.device.type == "cuda" else "gloo"
             timeout = datetime.timedelta(seconds=cfg.timeout_s)
-            dist.init_process_group(engine, timeout=timeout)
+            if self.joined:
+                engine = str(dist.get_backend())
+            else:
+                dist.init_process_group(engine, timeout=timeout)
             # K-FAC traffic gets its own communicator so it does not queue behind DDP's buckets.
             self._group = dist.new_group(backend=engine, timeout=timeout)
             self._objects = dist.new_group(backend="gloo", timeout=timeout)
@@ -126,9 +131,13 @@ class TorchBackend(Backend):
             dist.barrier(group=self._objects)
 
     def close(self) -> None:
-        """Destroy the process groups."""
+        """Destroy the process groups (the K-FAC ones only, where the default group is the user's)."""
         if self.world_size > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+            if self.joined:
+                dist.destroy_process_group(self._group)
+                dist.destroy_process_group(self._objects)
+            else:
+                dist.destroy_process_group()
 
 
 BACKENDS.add("torch", TorchBackend, "torch.distributed: gloo on CPU, NCCL on CUDA; DDP averages gradients")

@@ -186,7 +186,7 @@ class KFACPreconditioner:
             sends = self._invert_on_arrival(arrivals)
         else:
             for averaged in arrivals:
-                with self.timer.span("FactorComp"):
+                with self.timer.span("FactorComp", f"average {len(averaged)} factors", "average"):
                     self._update_factors(averaged)
             sends = [send for slot in self.order if (send := self._invert(slot))] if inverting else []
         self._precondition(lr, sends, gradients)
@@ -200,6 +200,11 @@ class KFACPreconditioner:
         if gradients is not None:
             gradients.wait()
         self._next_step()
+
+    def set_intervals(self, factor_update_freq: int, inv_update_freq: int) -> None:
+        """Change the update intervals from this step on (schedules of the step, as the library API takes)."""
+        self.cfg.factor_update_freq, self.cfg.inv_update_freq = factor_update_freq, inv_update_freq
+        self.capture.active = self._updates_factors()
 
     def _next_step(self) -> None:
         self.steps += 1
@@ -266,7 +271,7 @@ class KFACPreconditioner:
         arrived: set[str] = set()
 
         def take(averaged: dict[str, Tensor]) -> None:
-            with self.timer.span("FactorComp"):
+            with self.timer.span("FactorComp", f"average {len(averaged)} factors", "average"):
                 self._update_factors(averaged)
             arrived.update(averaged)
 
@@ -355,7 +360,7 @@ class KFACPreconditioner:
                     if self.stages.broadcast.full:
                         self.inverses[send.slot.key] = result.from_full(send.flat, send.slot.dim)
                     else:
-                        with self.timer.span("InverseComm", f"{send.slot.key} unpack", "pack"):
+                        with self.timer.span("InverseComm", f"{send.slot.key} unpack", "unpack"):
                             self.inverses[send.slot.key] = result.unflat(send.flat, send.slot.dim)
                 waiting.discard(send.slot.key)
                 if on_arrival:

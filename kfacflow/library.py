@@ -1,0 +1,218 @@
+"""K-FAC for your own model, data, optimizer and loop: :class:`KFACPreconditioner` (``kfacflow.KFACPreconditioner``).
+
+The recipe runner builds the same preconditioner (:class:`kfacflow.kfac.preconditioner.KFACPreconditioner`)
+from a recipe; here it is built from keyword arguments named as the recipe's ``kfac.*`` keys and
+validated by the same schema, under a process group the user started (``torchrun`` and
+``torch.distributed.init_process_group``, or ``hvd.init()``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from kfacflow import UserError, build, registry
+from kfacflow.comm.base import Backend, GradientAllreduce
+from kfacflow.config import DistConfig, kfac_section
+from kfacflow.kfac.variants import Stages, resolve
+from kfacflow.perf import Profile, calibrate
+
+logger = logging.getLogger(__name__)
+
+FloatOrSchedule = float | Callable[[int], float]
+"""A value, or a function of the step (0, 1, ...) giving it, as in kfac-pytorch."""
+IntOrSchedule = int | Callable[[int], int]
+
+WHERE = "KFACPreconditioner"
+T = TypeVar("T", int, float)
+
+
+def _at(value: T | Callable[[int], T], step: int) -> T:
+    return value(step) if callable(value) else value
+
+
+class KFACPreconditioner:
+    """Preconditions a model's gradients with K-FAC inside your own training loop.
+
+    Call :meth:`step` after ``loss.backward()`` and before ``optimizer.step()``. Factors are
+    captured by hooks (the end of the forward pass too: no extra call), averaged over the
+    ranks of the job you started, inverted where the variant places them, and every Linear and
+    Conv2d gradient is replaced by its preconditioned one.
+
+    Distributed training: start the job first (``torch.distributed.init_process_group``, or
+    ``hvd.init()`` with ``backend="horovod"``); the preconditioner joins it and opens its own
+    process group for K-FAC's traffic. With a model wrapped in ``DistributedDataParallel`` the
+    gradients are DDP's averages; with Horovod, call ``optimizer.synchronize()`` before
+    :meth:`step` and step the optimizer under ``optimizer.skip_synchronize()``; with a plain
+    model on several ranks the preconditioner averages the gradients itself (after the backward
+    pass, behind the factors) and starts every rank from rank 0's parameters.
+
+    Args:
+        model: The network, plain or wrapped in ``DistributedDataParallel``.
+        variant: A preset (``spd``, ``mpd``, ``d``, ``flow``; ``python run.py --list variant``).
+        lr: The learning rate the optimizer uses (KL clipping needs it), or a function of the
+            step; :meth:`step` may also be given it.
+        damping: Tikhonov damping, or a function of the step.
+        factor_update_freq: Steps between factor updates, or a function of the step.
+        inv_update_freq: Steps between inversions (a multiple of ``factor_update_freq``), or a
+            function of the step.
+        accumulate: Backward passes (micro-batches) per step, each loss divided by it.
+        backend: ``torch`` (torch.distributed) or ``horovod``.
+        device: ``auto``, ``cpu`` or ``cuda`` (where K-FAC's work and the model are).
+        profile: Performance models for the placements and fusions that plan with them (a
+            ``profile.yaml`` path or a :class:`~kfacflow.perf.Profile`); measured now if they
+            need one and none is given.
+        **kfac: Any other ``kfac.*`` recipe key: ``fusion``, ``placement``, ``inverse``,
+            ``pipeline``, ``broadcast``, ``grad_sync``, ``factor``, ``factor_decay``,
+            ``kl_clip``, ``skip`` (fnmatch patterns of module names), ``profile_steps`` ...
+
+    Raises:
+        UserError: A bad argument (named, with the accepted values), or no layer to precondition.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        variant: str = "spd",
+        *,
+        lr: FloatOrSchedule | None = None,
+        damping: FloatOrSchedule = 0.001,
+        factor_update_freq: IntOrSchedule = 1,
+        inv_update_freq: IntOrSchedule = 1,
+        accumulate: int = 1,
+        backend: str = "torch",
+        device: str = "auto",
+        profile: str | Path | Profile | None = None,
+        **kfac: Any,
+    ) -> None:
+        if "profile" in kfac or "variant" in kfac:
+            raise UserError(f"{WHERE}: give variant and profile as the arguments of those names.")
+        if isinstance(kfac.get("skip"), str):
+            kfac["skip"] = [kfac["skip"]]
+        elif isinstance(kfac.get("skip"), tuple):
+            kfac["skip"] = list(kfac["skip"])
+        self.lr, self.damping = lr, damping
+        self.factor_update_freq, self.inv_update_freq = factor_update_freq, inv_update_freq
+        cfg = kfac_section(
+            {
+                **kfac,
+                "variant": variant,
+                "damping": _at(damping, 0),
+                "factor_update_freq": _at(factor_update_freq, 0),
+                "inv_update_freq": _at(inv_update_freq, 0),
+            },
+            WHERE,
+        )
+        if not isinstance(accumulate, int) or accumulate < 1:
+            raise UserError(f"{WHERE}: accumulate={accumulate!r} must be an integer >= 1 (backward passes per step).")
+        if device not in ("auto", "cpu", "cuda"):
+            raise UserError(f"{WHERE}: device={device!r}; give 'auto', 'cpu' or 'cuda'.")
+        build.load_plugins()
+        names = resolve(cfg)
+        if names.choose or not names.preconditioned:
+            raise UserError(
+                f"{WHERE}: variant={variant!r} is for recipes (run.py); give d, mpd, spd or flow "
+                "(`python run.py --list variant`)."
+            )
+        self.backend: Backend = registry.BACKENDS.get(backend)(DistConfig(backend=backend, device=device))  # type: ignore[arg-type]
+        wrapped = isinstance(model, nn.parallel.DistributedDataParallel)
+        inner = model.module if wrapped else model
+        assert isinstance(inner, nn.Module)
+        self.model: nn.Module = inner
+        # Who averages the gradients: DDP or Horovod's optimizer (the user's), else this object.
+        self.averages = self.backend.world_size > 1 and not wrapped and backend == "torch"
+        names = self._grad_sync(cfg, names, wrapped, backend)
+        cfg.grad_sync = names.grad_sync
+        if self.averages:
+            self._same_start()
+        dtype = next(self.model.parameters()).dtype
+        planning = self._profile(profile, names, dtype) if build.needs_profile(names) else None
+        self.core = build.preconditioner(self.model, cfg, self.backend, planning, accumulate=accumulate)
+        self.cfg = cfg
+
+    def _grad_sync(self, cfg: Any, names: Stages, wrapped: bool, backend: str) -> Stages:
+        deferred = registry.GRAD_SYNCS.get(names.grad_sync).deferred
+        if self.averages and not deferred:
+            logger.info("the model is not wrapped in DDP: kfacflow averages its gradients after the backward pass")
+            return replace(names, grad_sync="deferred")
+        if deferred and not self.averages:
+            who = "DDP" if wrapped else "Horovod's optimizer"
+            if cfg.grad_sync and self.backend.world_size > 1:  # asked for by name, not by the preset
+                raise UserError(
+                    f"{WHERE}: grad_sync='deferred' averages gradients itself, but here {who} does; "
+                    "pass the model unwrapped (torch backend), or grad_sync='overlap'."
+                )
+            return replace(names, grad_sync="overlap")
+        return names
+
+    def _same_start(self) -> None:
+        """Start every rank from rank 0's parameters and buffers (what DDP does when it wraps a model)."""
+        with torch.no_grad():
+            for tensor in [*self.model.parameters(), *self.model.buffers()]:
+                self.backend.broadcast_async(tensor.data, 0).wait()
+
+    def _profile(self, profile: str | Path | Profile | None, names: Stages, dtype: torch.dtype) -> Profile:
+        if isinstance(profile, Profile):
+            return profile
+        if profile is not None:
+            loaded: Profile = Profile.load(str(profile))
+            return loaded
+        logger.info("measuring the communication and inversion models (%s placement needs them)", names.placement)
+        inverse = registry.INVERSES.get(names.inverse)
+        return calibrate(self.backend, inverse, dtype, methods={names.inverse: inverse})
+
+    @property
+    def steps(self) -> int:
+        """Steps taken so far."""
+        return self.core.steps
+
+    def step(self, lr: float | None = None) -> None:
+        """Precondition the gradients of this step in place (factors and inverses updated when due).
+
+        Args:
+            lr: The learning rate of this step (default: the one given at construction).
+
+        Raises:
+            UserError: No learning rate while KL clipping is on.
+        """
+        step = self.core.steps
+        lr = lr if lr is not None else (_at(self.lr, step) if self.lr is not None else None)
+        if lr is None:
+            if self.cfg.kl_clip > 0:
+                raise UserError(f"{WHERE}: KL clipping needs the learning rate: step(lr=...), lr=... or kl_clip=0.")
+            lr = 1.0
+        self.core.cfg.damping = float(_at(self.damping, step))
+        self._intervals(step)
+        gradients = GradientAllreduce(self.backend, list(self.model.parameters())) if self.averages else None
+        self.core.step(lr, gradients)
+        self._intervals(step + 1)  # whether the next forward pass captures factors
+
+    def _intervals(self, step: int) -> None:
+        factor, inverse = int(_at(self.factor_update_freq, step)), int(_at(self.inv_update_freq, step))
+        if factor < 1 or inverse < 1 or inverse % factor:
+            raise UserError(
+                f"{WHERE}: at step {step}, inv_update_freq={inverse} must be a multiple of "
+                f"factor_update_freq={factor}, both >= 1."
+            )
+        self.core.set_intervals(factor, inverse)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Factors, inverses and the step counter (collective: call it on every rank)."""
+        return self.core.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s output."""
+        self.core.load_state_dict(state)
+
+    def remove(self) -> None:
+        """Take the hooks off the model and close K-FAC's process groups (the job's own group stays)."""
+        self.core.remove()
+        if dist.is_available() and dist.is_initialized() and getattr(self.backend, "joined", False):
+            self.backend.close()

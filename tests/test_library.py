@@ -1,0 +1,230 @@
+"""The library API: kfacflow.KFACPreconditioner in the user's own loop, under the user's own process group."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from helpers import ROOT, free_port, run_in_gloo
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import kfacflow
+from kfacflow import UserError
+from kfacflow.perf import InverseModel, LinearModel, Profile
+
+STEPS = 6
+BATCH = 6
+# Hand-written models, so that the placements that plan with a profile need no calibration.
+PROFILE = Profile(
+    allreduce=LinearModel(alpha=1e-3, beta=1e-9),
+    broadcast=LinearModel(alpha=1e-4, beta=0.0),
+    inverse=InverseModel("cubic", 0.0, 1e-6),
+)
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.AvgPool2d(2),
+        nn.Flatten(),
+        nn.Linear(64, 6),
+        nn.Tanh(),
+        nn.Linear(6, 3),
+    ).double()
+
+
+def train(variant: str, ddp: bool, damping: Any = 0.01, **kfac: Any) -> list[torch.Tensor]:
+    """The user's loop: their model, optimizer, data and (optionally) DDP; K-FAC through the library API."""
+    model = make_model()
+    if not ddp:  # each rank starts elsewhere: the preconditioner must start them from rank 0's parameters
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.1 * dist.get_rank())
+    net = DistributedDataParallel(model) if ddp else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    pre = kfacflow.KFACPreconditioner(net, variant, lr=0.1, damping=damping, kl_clip=0.01, profile=PROFILE, **kfac)
+    gen = torch.Generator().manual_seed(1)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for _ in range(STEPS):
+        x = torch.randn(world * BATCH, 1, 8, 8, generator=gen, dtype=torch.float64)
+        y = torch.randint(0, 3, (world * BATCH,), generator=gen)
+        part = slice(rank * BATCH, (rank + 1) * BATCH)
+        F.cross_entropy(net(x[part]), y[part]).backward()
+        pre.step()
+        opt.step()
+        opt.zero_grad()
+    pre.remove()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def late_damping(step: int) -> float:
+    return 0.01 if step < 3 else 0.5
+
+
+def every_other(step: int) -> int:
+    return 1 if step < 2 else 2
+
+
+def user_job(rank: int, world: int) -> dict[str, Any]:
+    dist.init_process_group("gloo")  # the user's own group: the preconditioner joins it
+    out: dict[str, Any] = {
+        "d": train("d", ddp=True),
+        "spd": train("spd", ddp=True),
+        "flow": train("flow", ddp=False),  # no DDP: it averages the gradients itself
+        "flow_ddp": train("flow", ddp=True),  # the preset's deferred gradients give way to DDP's
+        "mpd_layer": train("mpd", ddp=True, placement="layer", broadcast="fused_update", skip=("0",)),
+        "scheduled": train("spd", ddp=True, damping=lambda step: 0.01),
+        "late": train("spd", ddp=True, damping=late_damping),
+        "intervals": train("spd", ddp=True, factor_update_freq=every_other, inv_update_freq=every_other),
+    }
+    try:  # DDP averages the gradients: kfacflow cannot too
+        kfacflow.KFACPreconditioner(DistributedDataParallel(make_model()), "spd", grad_sync="deferred", profile=PROFILE)
+    except UserError as err:
+        out["error"] = str(err)
+    dist.barrier()  # the user's group outlives every preconditioner
+    dist.destroy_process_group()
+    return out
+
+
+def test_the_library_api_joins_the_users_job_and_gives_d_kfacs_parameters() -> None:
+    results = run_in_gloo(user_job, 2, timeout=300)
+    assert "grad_sync='deferred' averages gradients itself, but here DDP does" in results[0].pop("error")
+    results[1].pop("error")
+    ref = results[0]["d"]
+    for name in ("spd", "flow", "flow_ddp", "scheduled"):
+        for rank in range(2):
+            for a, b in zip(results[rank][name], ref, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9, msg=f"{name} rank {rank}")
+    for name in results[0]:  # every rank holds the same bits
+        for a, b in zip(results[1][name], results[0][name], strict=True):
+            assert torch.equal(a, b), name
+    # A schedule is applied at its step: damping 0.5 from step 3 changes the result; factors and
+    # inverses every other step from step 2 do too; skipping the conv layer does.
+    for name in ("late", "intervals", "mpd_layer"):
+        assert any((a - b).abs().max() > 1e-6 for a, b in zip(results[0][name], ref, strict=True)), name
+
+
+def one_rank(**kwargs: Any) -> Callable[[], Any]:
+    return lambda: kfacflow.KFACPreconditioner(make_model(), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"dampnig": 0.1}, "dampnig"),
+        ({"damping": -1.0}, "damping"),
+        ({"damping": "high"}, "damping"),
+        ({"variant": "spdd"}, "Did you mean 'spd'"),
+        ({"variant": "auto"}, "is for recipes"),
+        ({"variant": "sgd"}, "is for recipes"),
+        ({"placement": "lbq", "profile": PROFILE}, "Did you mean 'lbp'"),
+        ({"factor_update_freq": 2, "inv_update_freq": 3}, "multiple of"),
+        ({"accumulate": 0}, "accumulate"),
+        ({"device": "gpu"}, "device='gpu'"),
+        ({"backend": "mpi"}, "unknown backend 'mpi'"),
+    ],
+)
+def test_a_bad_argument_is_one_clear_error(
+    kwargs: dict[str, Any], message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(UserError, match=re.escape(message)):
+        one_rank(**kwargs)()
+
+
+def test_kl_clipping_needs_the_learning_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    model = make_model()
+    pre = kfacflow.KFACPreconditioner(model, "d")
+    F.cross_entropy(model(torch.randn(4, 1, 8, 8, dtype=torch.float64)), torch.tensor([0, 1, 2, 0])).backward()
+    with pytest.raises(UserError, match="step\\(lr=...\\)"):
+        pre.step()
+    pre.step(lr=0.1)
+    assert pre.steps == 1
+    pre.remove()
+
+
+def test_the_example_trains_under_torchrun_with_two_workers() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    out = subprocess.run(
+        [*cmd, str(ROOT / "examples" / "train_your_own.py"), "--epochs", "3"],
+        cwd=ROOT,
+        env={**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},  # this checkout, installed or not
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = out.stdout.strip().splitlines()[-1]
+    assert line.startswith("test accuracy") and "(spd)" in line, out.stdout
+    assert float(line.split()[2]) >= 0.9, line
+
+
+HOROVOD_SCRIPT = """
+import sys, torch, torch.nn.functional as F, horovod.torch as hvd
+sys.path.insert(0, {root!r})
+sys.path.insert(0, {tests!r})
+import kfacflow
+from test_library import BATCH, PROFILE, STEPS, make_model
+
+hvd.init()  # the user's job: the preconditioner joins it
+model = make_model()
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model.named_parameters())
+pre = kfacflow.KFACPreconditioner(model, "spd", backend="horovod", lr=0.1, damping=0.01, kl_clip=0.01, profile=PROFILE)
+gen = torch.Generator().manual_seed(1)
+world, rank = hvd.size(), hvd.rank()
+for _ in range(STEPS):
+    x = torch.randn(world * BATCH, 1, 8, 8, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 3, (world * BATCH,), generator=gen)
+    part = slice(rank * BATCH, (rank + 1) * BATCH)
+    F.cross_entropy(model(x[part]), y[part]).backward()
+    opt.synchronize()
+    pre.step()
+    with opt.skip_synchronize():
+        opt.step()
+    opt.zero_grad()
+torch.save([p.detach() for p in model.parameters()], {out!r} + f"/rank{{rank}}.pt")
+"""
+
+
+def spd_with_ddp(rank: int, world: int) -> list[torch.Tensor]:
+    dist.init_process_group("gloo")
+    try:
+        return train("spd", ddp=True)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("horovod") is None or shutil.which("horovodrun") is None,
+    reason="Horovod is not installed (bash tools/install_horovod.sh)",
+)
+def test_the_library_api_under_horovod_equals_torch_distributed(tmp_path: Path) -> None:
+    script = tmp_path / "mine.py"
+    script.write_text(HOROVOD_SCRIPT.format(root=str(ROOT), tests=str(ROOT / "tests"), out=str(tmp_path)))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    cmd = ["horovodrun", "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(script)]
+    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    ref = run_in_gloo(spd_with_ddp, 2, timeout=300)[0]
+    for a, b, c in zip(ranks[0], ranks[1], ref, strict=True):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, c, rtol=1e-6, atol=1e-9)

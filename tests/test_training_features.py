@@ -1,0 +1,209 @@
+"""Everyday training keys: the user's own model and data (module:factory), AdamW, label smoothing, clipping."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import last_line, run_cli
+
+import kfacflow
+
+# A user's own module, importable from the folder the command runs in. Every sample is the same
+# image of label 0 and the weights are fixed, so the first step's loss and gradient are known.
+MINE = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from kfacflow.data import DataInfo
+
+W = torch.tensor([[0.2, -0.1, 0.3, 0.0], [0.1, 0.4, -0.2, 0.1], [-0.3, 0.2, 0.1, 0.5]])
+
+
+def net(num_classes, in_channels):
+    model = nn.Sequential(nn.Flatten(), nn.Linear(in_channels * 4, num_classes))
+    with torch.no_grad():
+        model[1].weight.copy_(W)
+        model[1].bias.zero_()
+    return model
+
+
+def data(cfg):
+    x = torch.arange(1.0, 5.0).reshape(1, 1, 2, 2).repeat(64, 1, 1, 1)
+    y = torch.zeros(64, dtype=torch.int64)
+    return TensorDataset(x, y), TensorDataset(x[:8], y[:8]), DataInfo(num_classes=3, channels=1, image_size=2)
+
+
+def broken(cfg):
+    return "not datasets"
+"""
+X = torch.arange(1.0, 5.0)
+W = torch.tensor([[0.2, -0.1, 0.3, 0.0], [0.1, 0.4, -0.2, 0.1], [-0.3, 0.2, 0.1, 0.5]])
+# On the quickstart recipe: one process, one step of 16 samples, plain SGD at a constant rate.
+ONE_STEP = [
+    "launch.nproc=1",
+    "train.steps=1",
+    "train.progress=false",
+    "data.batch_size=16",
+    "optim.momentum=0",
+    "optim.weight_decay=0",
+    "schedule.name=constant",
+]
+
+
+@pytest.fixture
+def mine(tmp_path: Path) -> Path:
+    (tmp_path / "mine.py").write_text(MINE)
+    return tmp_path
+
+
+def train(folder: Path, *overrides: str) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
+    """One step on the user's model and data; return summary.json and the final weights."""
+    proc = run_cli("quickstart", "model.name=mine:net", "data.name=mine:data", *ONE_STEP, *overrides, cwd=folder)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = folder / last_line(proc)
+    summary = json.loads((run / "summary.json").read_text())
+    state = torch.load(sorted((run / "checkpoints").glob("*.pt"))[-1], map_location="cpu")["model"]
+    return summary, state
+
+
+def test_the_users_model_and_data_by_module_path(mine: Path) -> None:
+    summary, state = train(mine, "kfac.variant=sgd", "optim.lr=0.5")
+    logits = W @ X
+    assert summary["train_loss"] == pytest.approx(float(F.cross_entropy(logits[None], torch.tensor([0]))), rel=1e-5)
+    # SGD: w -= lr (softmax - onehot) x^T for the one sample repeated.
+    grad = torch.outer(torch.softmax(logits, 0) - torch.tensor([1.0, 0.0, 0.0]), X)
+    torch.testing.assert_close(state["1.weight"], W - 0.5 * grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model.name=nowhere:net", "model.name='nowhere:net': cannot import 'nowhere' (ModuleNotFoundError"),
+        ("model.name=mine:nothing", "model.name='mine:nothing': 'mine' has no function 'nothing'"),
+        ("data.name=mine:broken", "data.name='mine:broken' must return (train set, validation set"),
+    ],
+)
+def test_a_module_path_that_fails_is_one_line(mine: Path, override: str, message: str) -> None:
+    proc = run_cli("quickstart", "model.name=mine:net", "data.name=mine:data", *ONE_STEP, override, cwd=mine)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), proc.stderr
+
+
+def test_label_smoothing_is_in_the_training_loss(mine: Path) -> None:
+    summary, _ = train(mine, "kfac.variant=sgd", "train.label_smoothing=0.3")
+    logp = torch.log_softmax(W @ X, 0)
+    expected = 0.7 * -logp[0] + 0.3 * -logp.mean()  # (1 - e) CE + e x the mean over the 3 classes
+    assert summary["train_loss"] == pytest.approx(float(expected), rel=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["sgd", "d"])
+def test_clipping_bounds_the_applied_gradient(mine: Path, variant: str) -> None:
+    _, state = train(mine, f"kfac.variant={variant}", "optim.lr=1", "optim.clip_grad_norm=0.001")
+    moved = torch.cat([(state["1.weight"] - W).flatten(), state["1.bias"].flatten()])
+    assert float(moved.norm()) == pytest.approx(0.001, rel=1e-3)  # the gradient is far larger than 0.001
+
+
+@pytest.mark.parametrize("variant", ["sgd", "d"])
+def test_adamw_takes_the_preconditioned_gradient(mine: Path, variant: str) -> None:
+    # Adam's first step moves each weight by lr x m / sqrt(v) = lr x sign(g), whatever g's size.
+    _, state = train(mine, f"kfac.variant={variant}", "optim.name=adamw", "optim.lr=0.01", "optim.weight_decay=0")
+    moved = (state["1.weight"] - W).abs()
+    assert torch.allclose(moved, torch.full_like(moved, 0.01), rtol=1e-3), moved
+    assert not math.isnan(float(moved.sum()))
+
+
+def test_optimizer_keys_are_checked(mine: Path) -> None:
+    proc = run_cli("quickstart", "model.name=mine:net", "data.name=mine:data", *ONE_STEP, "optim.betas=[0.9]", cwd=mine)
+    assert proc.returncode == 2 and "optim.betas takes two numbers" in proc.stderr
+    proc = run_cli("quickstart", "model.name=mine:net", "data.name=mine:data", *ONE_STEP, "optim.name=adam", cwd=mine)
+    assert proc.returncode == 2 and "Did you mean 'adamw'" in proc.stderr
+
+
+def test_checkpoints_open_weights_only_and_export_writes_the_model(mine: Path) -> None:
+    proc = run_cli("quickstart", "model.name=mine:net", "data.name=mine:data", *ONE_STEP, "kfac.variant=d", cwd=mine)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = mine / last_line(proc)
+    checkpoint = sorted((run / "checkpoints").glob("*.pt"))[-1]
+    state = torch.load(checkpoint, weights_only=True)  # RNG states, K-FAC, optimizer: all safe types
+    assert state["step"] == 1 and "rng" in state and state["kfac"]
+    out = run_cli(f"export={run}", cwd=mine)
+    assert out.returncode == 0, out.stderr
+    exported = Path(last_line(out))
+    assert exported == run / "export" / "model_step_00000001.pt"
+    weights = torch.load(exported, weights_only=True)
+    assert set(weights) == {"model", "step", "meta"} and weights["step"] == 1
+    for key, value in state["model"].items():
+        assert torch.equal(weights["model"][key], value)
+    wrong = run_cli(f"export={mine}", cwd=mine)
+    assert wrong.returncode == 2 and "has no checkpoint" in wrong.stderr
+
+
+def test_a_piped_log_gets_plain_lines_and_the_metrics_file(mine: Path) -> None:
+    proc = run_cli(
+        "quickstart",
+        "model.name=mine:net",
+        "data.name=mine:data",
+        *[o for o in ONE_STEP if not o.startswith(("train.progress", "train.steps"))],
+        "train.steps=4",
+        "train.log_every=2",
+        "train.metrics=csv",
+        cwd=mine,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "\r" not in proc.stderr  # no progress-bar redraws in a file
+    lines = [line for line in proc.stderr.splitlines() if ": step " in line]
+    assert len(lines) == 2 and "step 2/4, loss " in lines[0] and "images/s" in lines[1], proc.stderr
+    run = mine / last_line(proc)
+    rows = (run / "metrics.csv").read_text().splitlines()
+    assert rows[0] == "step,kind,loss,acc,lr,step_s,images_per_s"
+    assert [r.split(",")[:2] for r in rows[1:]] == [["2", "train"], ["4", "train"], ["4", "val"]]
+    versions = json.loads((run / "versions.json").read_text())
+    assert versions["kfacflow"] == kfacflow.__version__ and versions["git_commit"]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run))
+    events.Reload()
+    assert [e.step for e in events.Scalars("time/images_per_s")] == [2, 4]
+
+
+def test_the_moving_average_of_the_weights(mine: Path) -> None:
+    overrides = ["train.ema=0.75", "train.checkpoint_every=1", "train.keep_checkpoints=0", "kfac.variant=d"]
+    overrides += ["train.metrics=jsonl", "train.log_every=1"]
+    proc = run_cli(
+        "quickstart",
+        "model.name=mine:net",
+        "data.name=mine:data",
+        *[o for o in ONE_STEP if not o.startswith("train.steps")],
+        "train.steps=3",
+        *overrides,
+        cwd=mine,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = mine / last_line(proc)
+    states = [torch.load(p, weights_only=True) for p in sorted((run / "checkpoints").glob("*.pt"))]
+    w = [s["model"]["1.weight"] for s in states]
+    ema = [s["ema"]["module.1.weight"] for s in states]
+    # The first update takes the weights; then ema = 0.75 ema + 0.25 w after every step.
+    torch.testing.assert_close(ema[0], w[0])
+    torch.testing.assert_close(ema[1], 0.75 * w[0] + 0.25 * w[1])
+    torch.testing.assert_close(ema[2], 0.75 * ema[1] + 0.25 * w[2])
+    summary = json.loads((run / "summary.json").read_text())
+    assert 0 <= summary["val_acc_ema"] <= 1 and summary["val_loss_ema"] > 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["kind"]) for r in rows] == [
+        (1, "train"),
+        (2, "train"),
+        (3, "train"),
+        (3, "val"),
+        (3, "val_ema"),
+    ]
+    assert rows[-1]["acc"] == summary["val_acc_ema"] and rows[0]["images_per_s"] > 0
+    exported = torch.load(Path(last_line(run_cli(f"export={run}", cwd=mine))), weights_only=True)
+    assert torch.equal(exported["model_ema"]["1.weight"], ema[2])
