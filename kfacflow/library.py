@@ -164,7 +164,9 @@ class KFACPreconditioner:
         if profile is not None:
             loaded: Profile = Profile.load(str(profile))
             return loaded
-        logger.info("measuring the communication and inversion models (%s placement needs them)", names.placement)
+        logger.info(
+            "measuring the communication and inversion models (%s, %s plan with them)", names.fusion, names.placement
+        )
         inverse = registry.INVERSES.get(names.inverse)
         return calibrate(self.backend, inverse, dtype, methods={names.inverse: inverse})
 
