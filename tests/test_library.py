@@ -17,34 +17,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from helpers import ROOT, free_port, run_in_gloo
-from torch import nn
+from test_stage_equivalence import PROFILE, batches, make_model
 from torch.nn.parallel import DistributedDataParallel
 
 import kfacflow
 from kfacflow import UserError
-from kfacflow.perf import InverseModel, LinearModel, Profile
 
 STEPS = 6
-BATCH = 6
-# Hand-written models, so that the placements that plan with a profile need no calibration.
-PROFILE = Profile(
-    allreduce=LinearModel(alpha=1e-3, beta=1e-9),
-    broadcast=LinearModel(alpha=1e-4, beta=0.0),
-    inverse=InverseModel("cubic", 0.0, 1e-6),
-)
-
-
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(1, 4, 3, padding=1),
-        nn.ReLU(),
-        nn.AvgPool2d(2),
-        nn.Flatten(),
-        nn.Linear(64, 6),
-        nn.Tanh(),
-        nn.Linear(6, 3),
-    ).double()
+"""Fewer steps than the stage-equivalence test's: the model, profile and data are its own."""
 
 
 def train(variant: str, ddp: bool, damping: Any = 0.01, **kfac: Any) -> list[torch.Tensor]:
@@ -57,13 +37,8 @@ def train(variant: str, ddp: bool, damping: Any = 0.01, **kfac: Any) -> list[tor
     net = DistributedDataParallel(model) if ddp else model
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     pre = kfacflow.KFACPreconditioner(net, variant, lr=0.1, damping=damping, kl_clip=0.01, profile=PROFILE, **kfac)
-    gen = torch.Generator().manual_seed(1)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    for _ in range(STEPS):
-        x = torch.randn(world * BATCH, 1, 8, 8, generator=gen, dtype=torch.float64)
-        y = torch.randint(0, 3, (world * BATCH,), generator=gen)
-        part = slice(rank * BATCH, (rank + 1) * BATCH)
-        F.cross_entropy(net(x[part]), y[part]).backward()
+    for x, y in batches(dist.get_world_size(), dist.get_rank(), STEPS):
+        F.cross_entropy(net(x), y).backward()
         pre.step()
         opt.step()
         opt.zero_grad()
@@ -182,25 +157,21 @@ import sys, torch, torch.nn.functional as F, horovod.torch as hvd
 sys.path.insert(0, {root!r})
 sys.path.insert(0, {tests!r})
 import kfacflow
-from test_library import BATCH, PROFILE, STEPS, make_model
+from test_library import STEPS
+from test_stage_equivalence import PROFILE, batches, make_model
 
 hvd.init()  # the user's job: the preconditioner joins it
 model = make_model()
 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model.named_parameters())
 pre = kfacflow.KFACPreconditioner(model, "spd", backend="horovod", lr=0.1, damping=0.01, kl_clip=0.01, profile=PROFILE)
-gen = torch.Generator().manual_seed(1)
-world, rank = hvd.size(), hvd.rank()
-for _ in range(STEPS):
-    x = torch.randn(world * BATCH, 1, 8, 8, generator=gen, dtype=torch.float64)
-    y = torch.randint(0, 3, (world * BATCH,), generator=gen)
-    part = slice(rank * BATCH, (rank + 1) * BATCH)
-    F.cross_entropy(model(x[part]), y[part]).backward()
+for x, y in batches(hvd.size(), hvd.rank(), STEPS):
+    F.cross_entropy(model(x), y).backward()
     opt.synchronize()
     pre.step()
     with opt.skip_synchronize():
         opt.step()
     opt.zero_grad()
-torch.save([p.detach() for p in model.parameters()], {out!r} + f"/rank{{rank}}.pt")
+torch.save([p.detach() for p in model.parameters()], {out!r} + f"/rank{{hvd.rank()}}.pt")
 """
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from contextlib import nullcontext
 from typing import Any
 
@@ -57,6 +58,16 @@ def make_model() -> nn.Module:
     ).double()
 
 
+def batches(world: int, rank: int, steps: int = STEPS) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's part of each step's batch of ``world x BATCH`` samples (every rank draws the same stream)."""
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(world * BATCH, 1, 8, 8, generator=gen, dtype=torch.float64)
+        y = torch.randint(0, 3, (world * BATCH,), generator=gen)
+        part = slice(rank * BATCH, (rank + 1) * BATCH)
+        yield x[part], y[part]
+
+
 def train(
     backend: TorchBackend,
     fusion: str,
@@ -82,17 +93,12 @@ def train(
     net = backend.wrap_model(model)
     pre = build.preconditioner(model, cfg, backend, FUSED_PROFILE if broadcast == "fused_update" else PROFILE)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    gen = torch.Generator().manual_seed(1)
-    world, rank = backend.world_size, backend.rank
-    for _ in range(STEPS):
-        x = torch.randn(world * BATCH, 1, 8, 8, generator=gen, dtype=torch.float64)
-        y = torch.randint(0, 3, (world * BATCH,), generator=gen)
-        part = slice(rank * BATCH, (rank + 1) * BATCH)
+    for x, y in batches(backend.world_size, backend.rank):
         deferred = grad_sync == "deferred"
         with backend.no_sync(net) if deferred else nullcontext():
-            out = net(x[part])
+            out = net(x)
             pre.end_forward()
-            F.cross_entropy(out, y[part]).backward()
+            F.cross_entropy(out, y).backward()
         pre.step(lr=0.1, gradients=GradientAllreduce(backend, list(model.parameters())) if deferred else None)
         opt.step()
         opt.zero_grad()

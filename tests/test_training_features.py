@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -62,9 +63,14 @@ def mine(tmp_path: Path) -> Path:
     return tmp_path
 
 
+def run_mine(folder: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    """The quickstart on the user's model and data, one step unless ``overrides`` (which win) say otherwise."""
+    return run_cli("quickstart", "model.name=mine:net", "data.name=mine:data", *ONE_STEP, *overrides, cwd=folder)
+
+
 def train(folder: Path, *overrides: str) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
     """One step on the user's model and data; return summary.json and the final weights."""
-    proc = run_cli("quickstart", "model.name=mine:net", "data.name=mine:data", *ONE_STEP, *overrides, cwd=folder)
+    proc = run_mine(folder, *overrides)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = folder / last_line(proc)
     summary = json.loads((run / "summary.json").read_text())
@@ -90,7 +96,7 @@ def test_the_users_model_and_data_by_module_path(mine: Path) -> None:
     ],
 )
 def test_a_module_path_that_fails_is_one_line(mine: Path, override: str, message: str) -> None:
-    proc = run_cli("quickstart", "model.name=mine:net", "data.name=mine:data", *ONE_STEP, override, cwd=mine)
+    proc = run_mine(mine, override)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), proc.stderr
@@ -120,14 +126,14 @@ def test_adamw_takes_the_preconditioned_gradient(mine: Path, variant: str) -> No
 
 
 def test_optimizer_keys_are_checked(mine: Path) -> None:
-    proc = run_cli("quickstart", "model.name=mine:net", "data.name=mine:data", *ONE_STEP, "optim.betas=[0.9]", cwd=mine)
+    proc = run_mine(mine, "optim.betas=[0.9]")
     assert proc.returncode == 2 and "optim.betas takes two numbers" in proc.stderr
-    proc = run_cli("quickstart", "model.name=mine:net", "data.name=mine:data", *ONE_STEP, "optim.name=adam", cwd=mine)
+    proc = run_mine(mine, "optim.name=adam")
     assert proc.returncode == 2 and "Did you mean 'adamw'" in proc.stderr
 
 
 def test_checkpoints_open_weights_only_and_export_writes_the_model(mine: Path) -> None:
-    proc = run_cli("quickstart", "model.name=mine:net", "data.name=mine:data", *ONE_STEP, "kfac.variant=d", cwd=mine)
+    proc = run_mine(mine, "kfac.variant=d")
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = mine / last_line(proc)
     checkpoint = sorted((run / "checkpoints").glob("*.pt"))[-1]
@@ -146,16 +152,7 @@ def test_checkpoints_open_weights_only_and_export_writes_the_model(mine: Path) -
 
 
 def test_a_piped_log_gets_plain_lines_and_the_metrics_file(mine: Path) -> None:
-    proc = run_cli(
-        "quickstart",
-        "model.name=mine:net",
-        "data.name=mine:data",
-        *[o for o in ONE_STEP if not o.startswith(("train.progress", "train.steps"))],
-        "train.steps=4",
-        "train.log_every=2",
-        "train.metrics=csv",
-        cwd=mine,
-    )
+    proc = run_mine(mine, "train.progress=true", "train.steps=4", "train.log_every=2", "train.metrics=csv")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "\r" not in proc.stderr  # no progress-bar redraws in a file
     lines = [line for line in proc.stderr.splitlines() if ": step " in line]
@@ -176,15 +173,7 @@ def test_a_piped_log_gets_plain_lines_and_the_metrics_file(mine: Path) -> None:
 def test_the_moving_average_of_the_weights(mine: Path) -> None:
     overrides = ["train.ema=0.75", "train.checkpoint_every=1", "train.keep_checkpoints=0", "kfac.variant=d"]
     overrides += ["train.metrics=jsonl", "train.log_every=1"]
-    proc = run_cli(
-        "quickstart",
-        "model.name=mine:net",
-        "data.name=mine:data",
-        *[o for o in ONE_STEP if not o.startswith("train.steps")],
-        "train.steps=3",
-        *overrides,
-        cwd=mine,
-    )
+    proc = run_mine(mine, "train.steps=3", *overrides)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = mine / last_line(proc)
     states = [torch.load(p, weights_only=True) for p in sorted((run / "checkpoints").glob("*.pt"))]
