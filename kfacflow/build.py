@@ -86,9 +86,11 @@ def check(cfg: DictConfig) -> None:
         (registry.PIPELINES, k.pipeline),
         (registry.BROADCASTS, k.broadcast),
         (registry.GRAD_SYNCS, k.grad_sync),
+        (registry.FACTOR_SYNCS, k.factor_sync),
     ):
         if name is not None:
             reg.get(name)
+    check_stages(resolve(k))
     check_name(cfg.model.name)
     if k.profile:
         for method in Profile.load(k.profile).methods:  # a misspelt method would silently use the default model
@@ -114,6 +116,24 @@ def check(cfg: DictConfig) -> None:
             )
     if cfg.dist.device == "cuda" and not torch.cuda.is_available():
         raise UserError("dist.device=cuda but no CUDA device is visible; use dist.device=auto or cpu.")
+
+
+def check_stages(names: Stages) -> None:
+    """Check that the chosen stages fit together.
+
+    Raises:
+        UserError: Naming the key to change.
+    """
+    if (
+        names.preconditioned
+        and registry.FACTOR_SYNCS.get(names.factor_sync).to_owner
+        and not registry.BROADCASTS.get(names.broadcast).update
+    ):
+        raise UserError(
+            f"kfac.factor_sync={names.factor_sync} leaves each factor on its owner alone, but "
+            f"kfac.broadcast={names.broadcast} sends inverses that every rank applies; set kfac.broadcast=update "
+            "or fused_update, or kfac.factor_sync=allreduce."
+        )
 
 
 def _check_horovod(nproc: int) -> None:
@@ -169,7 +189,12 @@ def needs_profile(names: Stages) -> bool:
 
 
 def stages(cfg: KFACConfig, names: Stages, profile: Profile | None) -> StageSet:
-    """Build the stages ``names`` chooses, each from its own options."""
+    """Build the stages ``names`` chooses, each from its own options.
+
+    Raises:
+        UserError: If they do not fit together (:func:`check_stages`).
+    """
+    check_stages(names)
     fusion = FusionOptions(
         threshold_bytes=int(cfg.fusion_threshold_mb * 2**20),
         profile_steps=cfg.profile_steps,
@@ -183,6 +208,7 @@ def stages(cfg: KFACConfig, names: Stages, profile: Profile | None) -> StageSet:
         precondition=registry.PRECONDITIONERS.get(cfg.precondition)(cfg.kl_clip),
         pipeline=registry.PIPELINES.get(names.pipeline),
         broadcast=registry.BROADCASTS.get(names.broadcast),
+        factor_sync=registry.FACTOR_SYNCS.get(names.factor_sync),
     )
 
 

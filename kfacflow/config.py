@@ -229,6 +229,9 @@ class KFACConfig:
     grad_sync: Optional[str] = None
     """When gradients are all-reduced (`--list grad_sync`): in backward, or behind the inversions; empty takes
     the variant's."""
+    factor_sync: Optional[str] = None
+    """Where factors are summed (`--list factor_sync`): on every rank, or on each factor's owner alone; empty
+    takes the variant's."""
     precondition: str = "kfac"
     """How gradients are preconditioned (`--list precondition`)."""
     damping: float = field(default=0.001, metadata=above(0, "Tikhonov damping keeps factors invertible"))

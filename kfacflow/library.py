@@ -70,7 +70,7 @@ class KFACPreconditioner:
             ``profile.yaml`` path or a :class:`~kfacflow.perf.Profile`); measured now if they
             need one and none is given.
         **kfac: Any other ``kfac.*`` recipe key: ``fusion``, ``placement``, ``inverse``,
-            ``pipeline``, ``broadcast``, ``grad_sync``, ``factor``, ``factor_decay``,
+            ``pipeline``, ``broadcast``, ``grad_sync``, ``factor_sync``, ``factor``, ``factor_decay``,
             ``kl_clip``, ``skip`` (fnmatch patterns of module names), ``profile_steps`` ...
 
     Raises:

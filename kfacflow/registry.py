@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from kfacflow.kfac.stages import (
         Broadcast,
         FactorStage,
+        FactorSync,
         FusionFactory,
         GradSync,
         InverseMethod,
@@ -163,6 +164,7 @@ PRECONDITIONERS: Registry[PreconditionFactory] = Registry("precondition", "kfac.
 PIPELINES: Registry[Pipeline] = Registry("pipeline", "kfac.pipeline")
 BROADCASTS: Registry[Broadcast] = Registry("broadcast", "kfac.broadcast")
 GRAD_SYNCS: Registry[GradSync] = Registry("grad_sync", "kfac.grad_sync")
+FACTOR_SYNCS: Registry[FactorSync] = Registry("factor_sync", "kfac.factor_sync")
 
 ALL: dict[str, Registry[Any]] = {
     r.kind: r
@@ -181,5 +183,6 @@ ALL: dict[str, Registry[Any]] = {
         PIPELINES,
         BROADCASTS,
         GRAD_SYNCS,
+        FACTOR_SYNCS,
     )
 }

@@ -9,20 +9,23 @@ the pipeline gives (after the last factor, or as each arrives), posts and receiv
 unpacks them, and preconditions (after the last inverse, or layer by layer as they arrive).
 With ``kfac.broadcast=update`` no inverse travels: each rank inverts and preconditions the
 layers it owns, and their updates are broadcast in the shared layer order (``fused_update``:
-small ones summed in buckets, one all-reduce each).
+small ones summed in buckets, one all-reduce each); with ``kfac.factor_sync=owner`` the factors
+are reduced to their owners (:class:`~kfacflow.kfac.fusion.Routing`), and between two ranks a
+reduction takes one direction of the link, so reductions into different ranks overlap.
 Communication is re-scaled from the profile's world size to P with the ring model: an
 all-reduce of m elements costs 2(P-1) start-ups and 2(P-1)/P m elements per worker, a broadcast
-(NCCL's pipelined ring) P-1 start-ups and m elements. Compute per worker does not change with P.
+(NCCL's pipelined ring) P-1 start-ups and m elements, and so does a reduction (a broadcast
+reversed). Compute per worker does not change with P.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kfacflow import registry
 from kfacflow.kfac import inverse, overlap  # noqa: F401  (they register the entries looked up below)
-from kfacflow.kfac.fusion import Ready, estimated_arrivals, plan_launches
+from kfacflow.kfac.fusion import Ready, Routing, estimated_arrivals, plan_launches
 from kfacflow.kfac.packing import packed_size
 from kfacflow.kfac.placement import EVERY_RANK, by_layer, layer_order, schedule, update_buckets
 from kfacflow.kfac.stages import FusionOptions
@@ -55,14 +58,24 @@ def scaled(profile: Profile, workers: int) -> Profile:
 
 @dataclass
 class Link:
-    """One shared network link: operations run one at a time in the order they are posted."""
+    """One shared network link: operations run one at a time in the order they are posted.
+
+    A reduction to one rank between two (``into``) uses one direction only: reductions to
+    different ranks run at once, each after everything posted before it that uses its direction.
+    """
 
     free: float = 0.0
+    into: dict[int, float] = field(default_factory=dict)
+    """When each direction (by receiving rank) is free of reductions."""
 
-    def send(self, launch: float, seconds: float) -> float:
+    def send(self, launch: float, seconds: float, into: int | None = None) -> float:
         """Run an operation posted at ``launch`` taking ``seconds``; return when it ends."""
-        self.free = max(self.free, launch) + seconds
-        return self.free
+        if into is None:
+            self.free = max(self.free, launch, *self.into.values()) + seconds
+            self.into = dict.fromkeys(self.into, self.free)
+            return self.free
+        self.into[into] = max(self.free, launch, self.into.get(into, 0.0)) + seconds
+        return self.into[into]
 
 
 @dataclass
@@ -134,12 +147,26 @@ def simulate(
     options = FusionOptions(threshold_bytes=int(threshold_mb * 2**20), allreduce=prof.allreduce)
     launches = plan_launches(registry.COMMUNICATORS.get(stages.fusion)(options), forward, t_fwd, backward, t_bwd)
     elements = {r.key: r.elements for r in (*forward, *backward)}
-    ops = [(at, 0, sum(elements[k] for k in keys), keys) for at, keys in launches]
+    # kfac.factor_sync=owner: one reduction per owner of a group (a broadcast reversed: its cost),
+    # in one direction of the link between two ranks; the NCTs all-reduced.
+    to_owner = workers > 1 and registry.FACTOR_SYNCS.get(stages.factor_sync).to_owner
+    owner = dict(zip(_keys(rows), update_owners(rows, prof, workers, stages), strict=True)) if to_owner else {}
+    routing = Routing(owner, workers, prof.allreduce, prof.broadcast)
+    ops: list[tuple[float, int, int, list[str], int | None]] = [
+        (at, 0, sum(elements[k] for k in part), part, dst)
+        for at, keys in launches
+        for dst, part in (routing.parts(keys, elements) if to_owner else [(None, keys)])
+    ]
     if workers > 1 and not deferred:
-        ops += [(at, -1, m, []) for at, m in grads]  # DDP launches its buckets before K-FAC's hooks run
+        ops += [(at, -1, m, [], None) for at, m in grads]  # DDP launches its buckets before K-FAC's hooks run
     link, arrival, grads_done = Link(), {}, t_bwd
-    for at, kind, m, keys in sorted(ops, key=lambda op: (op[0], op[1])):
-        end = link.send(at, prof.allreduce(m)) if workers > 1 else at
+    for at, kind, m, keys, dst in sorted(ops, key=lambda op: (op[0], op[1])):
+        if workers == 1:
+            end = at
+        elif dst is None:
+            end = link.send(at, prof.allreduce(m))
+        else:
+            end = link.send(at, prof.broadcast(m), dst if workers == 2 else None)
         if kind < 0:
             grads_done = max(grads_done, end)
         for k in keys:
@@ -185,7 +212,7 @@ def _inverse_phase(
 ) -> dict[str, float]:
     """Replay updates, inversions, broadcasts and preconditioning on every rank; return the breakdown."""
     arrival, start, grads_done, grad_comm, link = bwd.arrival, bwd.start, bwd.grads_done, bwd.grad_comm, bwd.link
-    keys = [f"{r['name']}/{side}" for r in rows for side in ("A", "G")]
+    keys = _keys(rows)
     dims = [d for r in rows for d in (r["a_dim"], r["g_dim"])]
     costs = inverse_costs(rows, prof, use_measured)
     # Averaging a factor into its running average: the traced FactorComp beyond the hooks, by size.
@@ -300,10 +327,11 @@ def _update_phase(
     the gradients, it walks the shared layer order: it preconditions its own and the NCT layers,
     posting each own update's broadcast, and the link carries them in that order.
     """
-    keys = [f"{r['name']}/{side}" for r in rows for side in ("A", "G")]
+    keys = _keys(rows)
     dims = [d for r in rows for d in (r["a_dim"], r["g_dim"])]
     sizes = [r["a_dim"] * r["g_dim"] for r in rows for _ in (0, 1)]
-    owners = by_layer(dims, registry.PLACEMENTS.get(stages.placement)(dims, sizes, workers, prof))
+    owners = update_owners(rows, prof, workers, stages)
+    to_owner = workers > 1 and registry.FACTOR_SYNCS.get(stages.factor_sync).to_owner
     on_arrival = registry.PIPELINES.get(stages.pipeline).invert_on_arrival
     start = bwd.start
     here = [bwd.arrival.get(k, start) for k in keys]
@@ -312,6 +340,8 @@ def _update_phase(
     ranks = [_Rank(start) for _ in range(workers)]
     for i in sorted(range(len(keys)), key=lambda i: (here[i], i)):
         for r, rank in enumerate(ranks):
+            if to_owner and owners[i] not in (EVERY_RANK, r):
+                continue  # another rank's factor: it never comes here
             rank.wait(here[i], "FactorComm")
             rank.t += update[i]
             if owners[i] in (EVERY_RANK, r):
@@ -341,6 +371,18 @@ def _update_phase(
     for rank in ranks:
         rank.wait(max(ends, default=0.0), "InverseComm")
     return _breakdown(max(ranks, key=lambda rank: rank.t), rest, ffbp, bwd.grad_comm, factor_comp)
+
+
+def _keys(rows: list[dict[str, Any]]) -> list[str]:
+    """The factors' keys, A1, G1, A2, G2, ..."""
+    return [f"{r['name']}/{side}" for r in rows for side in ("A", "G")]
+
+
+def update_owners(rows: list[dict[str, Any]], prof: Profile, workers: int, stages: Stages) -> list[int]:
+    """Who inverts each factor with ``kfac.broadcast=update`` (whole layers; what travels is the update)."""
+    dims = [d for r in rows for d in (r["a_dim"], r["g_dim"])]
+    sizes = [r["a_dim"] * r["g_dim"] for r in rows for _ in (0, 1)]
+    return by_layer(dims, registry.PLACEMENTS.get(stages.placement)(dims, sizes, workers, prof))
 
 
 def precondition_costs(rows: list[dict[str, Any]], measured: dict[str, float]) -> tuple[dict[str, float], float]:

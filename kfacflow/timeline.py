@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from kfacflow.rundir import write_atomic
-from kfacflow.timing import LANES, chrome_trace
+from kfacflow.timing import LANES, UNTIL, chrome_trace
 
 ROWS = tuple(lane for lane in LANES if lane != "compute")
 """Lanes the picture draws; the forward and backward passes (``compute``) go on their own rows."""
@@ -27,7 +27,7 @@ MEANING = {
     "forward": "forward pass",
     "backward": "backward pass",
     "factor": "factor computation (hooks)",
-    "allreduce": "all-reduce (factors, gradients), launch to end",
+    "allreduce": "all-reduce or reduction to an owner (factors, gradients), launch to end",
     "average": "running averages of the factors",
     "inverse": "inversion",
     "pack": "packing an inverse to send",
@@ -65,8 +65,8 @@ def write_timeline(events_by_rank: list[list[dict[str, Any]]], run_dir: Path, ti
         if events:
             spans = [(e["t0"], e["t1"] - e["t0"]) for e in events]
             ax.broken_barh(spans, (y - 0.4, 0.8), facecolors=COLORS[lane], edgecolors="black", linewidth=0.2)
-        if lane in LABELLED:
-            longest += [(e["t1"] - e["t0"], e["t0"], y, str(e["name"])) for e in events]
+        if lane in LABELLED:  # a transfer seen only when it was taken does not say how long it took
+            longest += [(e["t1"] - e["t0"], e["t0"], y, str(e["name"])) for e in events if UNTIL not in e["name"]]
     for lane in LABELLED:  # each labelled lane's longest bars, over every rank
         mine = [x for x in longest if rows[x[2]][1] == lane]
         for width, t0, y, name in sorted(mine, reverse=True)[:LABELS]:

@@ -44,6 +44,10 @@ LANES = (
 """Where traced events go, in display order."""
 
 
+UNTIL = "(until taken)"
+"""Ends the name of a transfer whose end was not seen, only when it was waited for (gloo's point-to-point work)."""
+
+
 class StepTimer:
     """Accumulates the breakdown of the current step and, when tracing, its events.
 
@@ -123,13 +127,18 @@ class StepTimer:
         if self.tracing:
             self.events.append({"name": name, "lane": lane, "t0": t0 - self.origin, "t1": t1 - self.origin})
 
-    def on_done(self, handle: Any, name: str, lane: str) -> None:
-        """Record an asynchronous operation from now until ``handle`` completes (when tracing)."""
+    def on_done(self, handle: Any, name: str, lane: str) -> bool:
+        """Record an asynchronous operation from now until ``handle`` completes (when tracing).
+
+        Returns whether it will be recorded: a handle without a future is not (its caller may
+        record it until it was waited for).
+        """
         if not self.tracing or not hasattr(handle, "get_future"):
-            return
+            return False
         t0 = time.perf_counter()
         callback: Callable[[Any], None] = lambda _: self.record(name, lane, t0, time.perf_counter())  # noqa: E731
         handle.get_future().add_done_callback(callback)
+        return True
 
     def end_step(self, total: float | None = None, grad_launch: float = 0.0) -> dict[str, float]:
         """Close the step; return the breakdown with ``Other`` = ``total`` minus the named parts.

@@ -523,6 +523,7 @@ def test_explicit_stage_wins_in_summary(tmp_path: Path) -> None:
         "pipeline": "barrier",
         "broadcast": "packed",
         "grad_sync": "overlap",
+        "factor_sync": "allreduce",
         "choose": False,
     }
     assert summary["variant"] == "spd" and summary["steps"] == 2

@@ -7,9 +7,9 @@ import torch
 
 from kfacflow.comm.torch_dist import TorchBackend
 from kfacflow.config import DistConfig
-from kfacflow.kfac.fusion import Communicator
+from kfacflow.kfac.fusion import Communicator, Routing
 from kfacflow.kfac.fusion_plan import plan_groups
-from kfacflow.kfac.stages import FusionOptions
+from kfacflow.kfac.stages import EVERY_RANK, FusionOptions
 from kfacflow.perf import LinearModel
 from kfacflow.registry import COMMUNICATORS
 
@@ -76,3 +76,50 @@ def test_policies_launch_when_expected(
     out = comm.wait()
     assert sorted(out) == sorted([f"l{i}/{k}" for i in range(3) for k in "AG"])
     assert float(out["l2/A"][0]) == 2.0
+
+
+def test_routing_reduces_to_owners_where_the_models_say_it_is_cheaper() -> None:
+    owners = {"a": 0, "b": 1, "c": EVERY_RANK, "d": 0}
+    sizes = {"a": 100, "b": 100, "c": 10, "d": 50}
+    # Without models: between two ranks always (one direction each); with more, only a group of one owner.
+    assert Routing(owners, 2).parts(["a", "b", "c", "d"], sizes) == [(0, ["a", "d"]), (1, ["b"]), (None, ["c"])]
+    assert Routing(owners, 3).parts(["a", "b"], sizes) == [(None, ["a", "b"])]
+    assert Routing(owners, 3).parts(["a", "d"], sizes) == [(0, ["a", "d"])]
+    assert Routing(owners, 3).parts(["c"], sizes) == [(None, ["c"])]
+    # P = 4: reductions queue. 0.5 + 0.05 s each against one all-reduce of 1 + 0.2 s: reduced;
+    # with the reduction's bytes as dear as the all-reduce's (0.6 s each), one all-reduce (1.2 s, not less).
+    cheap, dear = LinearModel(0.5, 0.0005), LinearModel(0.5, 0.001)
+    assert Routing(owners, 4, LinearModel(1.0, 0.001), cheap).parts(["a", "b"], sizes) == [(0, ["a"]), (1, ["b"])]
+    assert Routing(owners, 4, LinearModel(1.0, 0.001), dear).parts(["a", "b"], sizes) == [(None, ["a", "b"])]
+    # P = 2: the two directions at once, max(1.6, 1.1) s against 2.6 s; an NCT adds its own all-reduce (1.1 s).
+    two = Routing(owners, 2, LinearModel(0.1, 0.01), LinearModel(0.1, 0.01))
+    assert two.parts(["a", "b", "d"], sizes) == [(0, ["a", "d"]), (1, ["b"])]
+    assert Routing(owners, 2, LinearModel(1.0, 0.0), LinearModel(0.1, 0.0)).parts(["a", "c"], sizes) == [
+        (None, ["a", "c"])
+    ]
+
+
+def _reduce_to_each_rank(rank: int, world: int) -> list[list[float]]:
+    from kfacflow.comm import torch_dist
+
+    torch_dist.P2P_CHUNK_BYTES = 16  # 4 float32 per chunk: 10 elements travel in 3 chunks
+    backend = TorchBackend(DistConfig(device="cpu"))
+    try:
+        out = []
+        for dst in range(world):
+            x = torch.arange(10, dtype=torch.float32) * (rank + 1) + rank
+            backend.reduce_async(x, dst).wait()
+            out.append(x.tolist() if rank == dst else [])
+        return out
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gloo_reduction_sums_into_its_destination_only(world: int) -> None:
+    from helpers import run_in_gloo
+
+    results = run_in_gloo(_reduce_to_each_rank, world, timeout=120)
+    expect = [sum(i * (r + 1) + r for r in range(world)) for i in range(10)]
+    for dst in range(world):
+        assert results[dst][dst] == expect

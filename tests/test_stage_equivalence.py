@@ -68,15 +68,12 @@ def batches(world: int, rank: int, steps: int = STEPS) -> Iterator[tuple[torch.T
         yield x[part], y[part]
 
 
-def train(
-    backend: TorchBackend,
-    fusion: str,
-    placement: str,
-    inverse: str,
-    pipeline: str = "barrier",
-    broadcast: str = "packed",
-    grad_sync: str = "overlap",
-) -> dict[str, Any]:
+DEFAULTS = ("", "", "", "barrier", "packed", "overlap", "allreduce")
+"""Stages a combination leaves out: fusion, placement, inverse, pipeline, broadcast, grad_sync, factor_sync."""
+
+
+def train(backend: TorchBackend, combo: tuple[str, ...], profile: Profile | None = None) -> dict[str, Any]:
+    fusion, placement, inverse, pipeline, broadcast, grad_sync, factor_sync = (*combo, *DEFAULTS[len(combo) :])
     cfg = KFACConfig(
         fusion=fusion,
         placement=placement,
@@ -84,6 +81,7 @@ def train(
         pipeline=pipeline,
         broadcast=broadcast,
         grad_sync=grad_sync,
+        factor_sync=factor_sync,
         damping=0.01,
         kl_clip=0.01,
         profile_steps=2,
@@ -91,7 +89,8 @@ def train(
     )
     model = make_model()
     net = backend.wrap_model(model)
-    pre = build.preconditioner(model, cfg, backend, FUSED_PROFILE if broadcast == "fused_update" else PROFILE)
+    profile = profile or (FUSED_PROFILE if broadcast == "fused_update" else PROFILE)
+    pre = build.preconditioner(model, cfg, backend, profile)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for x, y in batches(backend.world_size, backend.rank):
         deferred = grad_sync == "deferred"
@@ -103,10 +102,13 @@ def train(
         opt.step()
         opt.zero_grad()
     pre.remove()
-    held = sorted(pre.inverses)
-    # A checkpoint's inverses: with kfac.broadcast=update the owners send theirs here (collective).
-    saved = pre.state_dict()["inverses"]
+    held, running = sorted(pre.inverses), sorted(pre.running)
+    # A checkpoint's inverses (and factors): the owners send theirs here where only they hold them (collective).
+    state = pre.state_dict()
+    saved = state["inverses"]
     return {
+        "factors": {k: v.clone() for k, v in state["factors"].items()},
+        "running": running,
         "params": [p.detach().clone() for p in model.parameters()],
         "inverses": {k: Inverse.restore(kind, ts).dense().clone() for k, (kind, ts) in saved.items()},
         "saved": {k: [t.clone() for t in ts] for k, (_, ts) in saved.items()},
@@ -115,6 +117,7 @@ def train(
         "owners": pre.owners,
         "plan": getattr(pre.comm, "plan", None),
         "buckets": list(pre.update_buckets.values()),
+        "reductions": pre.comm.reductions,
     }
 
 
@@ -131,7 +134,7 @@ OVERLAPS = [
     for grad_sync in ("overlap", "deferred")
 ]
 # Owners precondition their layers and broadcast the updates (no inverse travels).
-UPDATES = [
+UPDATE_ONLY = [
     (*stages, pipeline, "update", grad_sync)
     for stages in (
         ("optimal", "layer", "cholesky_factor"),
@@ -147,14 +150,32 @@ FUSED = [
     for pipeline in ("barrier", "arrival")
     for grad_sync in ("overlap", "deferred")
 ] + [("layerwise", "round_robin", "eigen", "arrival", "fused_update", "deferred")]
-UPDATES += FUSED
+# Each factor reduced to its owner alone (LBP's NCTs still all-reduced, in the same groups).
+OWNED_LBP = ("naive", "lbp", "cholesky", "arrival", "update", "overlap", "owner")
+OWNED = [
+    ("optimal", "layer", "cholesky_factor", pipeline, "fused_update", grad_sync, "owner")
+    for pipeline in ("barrier", "arrival")
+    for grad_sync in ("overlap", "deferred")
+] + [
+    ("layerwise", "round_robin", "eigen", "arrival", "update", "deferred", "owner"),
+    OWNED_LBP,
+    ("after_backward", "layer", "cholesky", "barrier", "update", "overlap", "owner"),
+]
+# For OWNED_LBP: broadcasts dear enough that fc2 (sides 7 and 3) is inverted on every rank, the rest
+# owned, and all-reduces so dear by the byte that a group's reductions plus its NCTs' all-reduce beat one.
+MIXED_PROFILE = Profile(
+    allreduce=LinearModel(alpha=1e-3, beta=1e-3),
+    broadcast=LinearModel(alpha=5e-4, beta=0.0),
+    inverse=InverseModel("cubic", 0.0, 1e-6),
+)
+UPDATES: list[tuple[str, ...]] = [*UPDATE_ONLY, *FUSED, *OWNED]
 
 
 def all_combinations(rank: int, world: int) -> dict[tuple[str, ...], dict[str, Any]]:
     backend = TorchBackend(DistConfig(device="cpu"))
     try:
         combos: list[tuple[str, ...]] = [*itertools.product(FUSIONS, PLACES, INVS), *OVERLAPS, *UPDATES]
-        return {combo: train(backend, *combo) for combo in combos}
+        return {combo: train(backend, combo, MIXED_PROFILE if combo == OWNED_LBP else None) for combo in combos}
     finally:
         backend.close()
 
@@ -163,6 +184,7 @@ def all_combinations(rank: int, world: int) -> dict[tuple[str, ...], dict[str, A
 def test_every_stage_combination_gives_the_same_parameters(world: int) -> None:
     results = run_in_gloo(all_combinations, world, timeout=600)
     ref = results[0][("after_backward", "local", "cholesky")]["params"]
+    ref_factors = results[0][("after_backward", "local", "cholesky")]["factors"]
     start = make_model()
     assert any((a - b).abs().max() > 1e-3 for a, b in zip(ref, start.parameters(), strict=True)), "nothing trained"
     for combo in results[0]:
@@ -172,6 +194,9 @@ def test_every_stage_combination_gives_the_same_parameters(world: int) -> None:
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9, msg=f"{combo} rank {rank}")
             for key, inv in got["inverses"].items():
                 torch.testing.assert_close(inv, results[0][combo]["inverses"][key], rtol=1e-9, atol=1e-12)
+            assert set(got["factors"]) == set(got["keys"]), f"{combo}: the checkpoint lacks factors"
+            for key, factor in got["factors"].items():
+                torch.testing.assert_close(factor, ref_factors[key], rtol=1e-9, atol=1e-12, msg=f"{combo} {key}")
             # Every rank holds the same bits (an owner keeping its own inverse included).
             for a, b in zip(got["params"], results[0][combo]["params"], strict=True):
                 assert torch.equal(a, b), f"{combo}: rank {rank} drifted from rank 0"
@@ -185,6 +210,12 @@ def test_every_stage_combination_gives_the_same_parameters(world: int) -> None:
                 for key, tensors in got["saved"].items():
                     for a, b in zip(tensors, results[0][combo]["saved"][key], strict=True):
                         assert torch.equal(a, b), f"{combo} {key} rank {rank}"
+            if combo in OWNED:  # only the owner keeps a running average; the checkpoint has its bits
+                mine = {k for k, o in zip(got["keys"], got["owners"], strict=True) if o in (EVERY_RANK, rank)}
+                assert set(got["running"]) == mine, f"{combo} rank {rank} averages {got['running']}"
+                assert got["reductions"] > 0, f"{combo}: nothing was reduced to an owner"
+                for key, factor in got["factors"].items():
+                    assert torch.equal(factor, results[0][combo]["factors"][key]), f"{combo} {key} rank {rank}"
             if combo in FUSED:
                 assert [len(b) for b in got["buckets"]] == [3], f"{combo}: buckets {got['buckets']}"
                 if combo[1] == "layer":  # round robin pairs every layer on rank 0 at P = 2
@@ -196,6 +227,8 @@ def test_every_stage_combination_gives_the_same_parameters(world: int) -> None:
     lbp_owners = results[0][("optimal", "lbp", "cholesky")]["owners"]
     assert EVERY_RANK in lbp_owners and any(o >= 0 for o in lbp_owners), "LBP should mix CT and NCT here"
     assert results[0][("optimal", "lbp", "cholesky")]["plan"], "the optimal fusion never made its plan"
+    lbp_owned = results[0][OWNED_LBP]["owners"]
+    assert EVERY_RANK in lbp_owned and any(o >= 0 for o in lbp_owned), "owned LBP should all-reduce NCTs too"
 
 
 def test_variant_presets() -> None:
@@ -207,3 +240,15 @@ def test_variant_presets() -> None:
     assert (mpd.fusion, mpd.placement, mpd.inverse) == ("after_backward", "round_robin", "cholesky")
     d = resolve(KFACConfig(variant="d", placement="lbp", inverse="eigen"))
     assert (d.fusion, d.placement, d.inverse) == ("after_backward", "lbp", "eigen")
+
+
+def test_factors_go_to_owners_only_where_no_inverse_is_sent() -> None:
+    from kfacflow import UserError
+
+    assert resolve(KFACConfig(variant="flow")).factor_sync == "owner"
+    # The preset's choice gives way to an explicit broadcast of inverses (every rank needs every factor) ...
+    assert resolve(KFACConfig(variant="flow", broadcast="packed")).factor_sync == "allreduce"
+    # ... but asked for by name, it is an error naming both keys.
+    names = resolve(KFACConfig(variant="spd", factor_sync="owner"))
+    with pytest.raises(UserError, match=r"kfac.factor_sync=owner .* kfac.broadcast=packed .* kfac.broadcast=update"):
+        build.check_stages(names)

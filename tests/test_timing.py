@@ -45,9 +45,11 @@ def test_chrome_trace_and_summary() -> None:
     assert summarize(steps[:1], 5) == {"total": 9.0}
 
 
-def test_breakdown_and_timeline_of_a_two_worker_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("variant", ["spd", "flow"])
+def test_breakdown_and_timeline_of_a_two_worker_run(tmp_path: Path, variant: str) -> None:
     proc = run_cli(
         "recipes/quickstart.yaml",
+        f"kfac.variant={variant}",
         "train.steps=6",
         "train.timeline=4",
         "train.log_every=4",
@@ -71,6 +73,8 @@ def test_breakdown_and_timeline_of_a_two_worker_run(tmp_path: Path) -> None:
     assert {e["pid"] for e in events} == {0, 1}
     lanes = {e["cat"] for e in events}
     assert {"forward", "factor", "allreduce", "inverse"} <= lanes
+    if variant == "flow":  # factors reduced to their owners (gloo's point-to-point work: until taken)
+        assert any(" to " in e["name"] and e["cat"] == "allreduce" for e in events), sorted(lanes)
     assert (run / "timeline.png").stat().st_size > 10_000
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -123,6 +123,9 @@ def test_simulated_link_and_scaling() -> None:
 
     link = simulation.Link()
     assert link.send(1.0, 2.0) == 3.0 and link.send(2.0, 1.0) == 4.0 and link.send(10.0, 1.0) == 11.0
+    # Reductions into different ranks share no direction; anything else waits for both.
+    assert link.send(11.0, 1.0, into=0) == 12.0 and link.send(11.0, 2.0, into=1) == 13.0
+    assert link.send(11.5, 1.0, into=0) == 13.0 and link.send(0.0, 1.0) == 14.0 and link.send(0.0, 1.0, into=1) == 15.0
     prof = Profile(LinearModel(2e-3, 1e-9), LinearModel(1e-3, 5e-10), InverseModel("cubic", 0, 1e-9), {"world_size": 2})
     same = simulation.scaled(prof, 2)
     assert same.allreduce.alpha == pytest.approx(2e-3) and same.allreduce.beta == pytest.approx(1e-9)
@@ -153,9 +156,14 @@ def _hand_layers() -> dict:
 
 
 def _stages(
-    fusion: str, placement: str, pipeline: str = "barrier", broadcast: str = "packed", grad_sync: str = "overlap"
+    fusion: str,
+    placement: str,
+    pipeline: str = "barrier",
+    broadcast: str = "packed",
+    grad_sync: str = "overlap",
+    factor_sync: str = "allreduce",
 ) -> Stages:
-    return Stages(fusion, placement, "cholesky", True, pipeline, broadcast, grad_sync)
+    return Stages(fusion, placement, "cholesky", True, pipeline, broadcast, grad_sync, factor_sync)
 
 
 def test_simulated_step_matches_hand_computation() -> None:
@@ -247,6 +255,31 @@ def test_simulated_update_broadcasts_match_hand_computation() -> None:
     del layers["layers"][1]["t_precondition"]
     cost, rest = simulation.precondition_costs(layers["layers"], layers["breakdown"])
     assert cost == pytest.approx({"l1": 0.1, "l2": 0.28}) and rest == pytest.approx(0.2)
+
+
+def test_simulated_reductions_to_owners_match_hand_computation() -> None:
+    from kfacflow.perf import InverseModel, LinearModel, Profile
+
+    prof = Profile(LinearModel(0.1, 0.01), LinearModel(0.05, 0.01), InverseModel("cubic", 0.0, 0.01), {"world_size": 2})
+    layers = _hand_layers()
+    layers["layers"][0]["t_precondition"], layers["layers"][1]["t_precondition"] = 0.1, 0.2
+    # All four factors go after backward (5.5 s); the layer placement gives l2 to rank 0, l1 to rank 1.
+    # All-reduced: 25 elements, 5.5..5.85 s, then the gradients. Rank 0 averages all four factors
+    # (0.5 s), inverts l2 (4 s), preconditions it (0.2 s): 10.55 s; rank 1 sends l1's update at
+    # 9.45..9.56 s, rank 0 l2's (12 elements, 0.17 s): 10.72 s.
+    stages = _stages("after_backward", "layer", broadcast="update", grad_sync="deferred")
+    assert simulation.simulate(layers, prof, 2, stages)["total"] == pytest.approx(10.72)
+    # Reduced to owners: l1's 9 elements into rank 1 (a broadcast's cost, 0.14 s) while l2's 16 go
+    # into rank 0 (0.21 s): every factor is here at 5.71 s. Rank 0 averages only its own two
+    # (0.32 s), inverts and preconditions as before: 10.23 s, its update at 10.23..10.40 s.
+    owned = simulation.simulate(layers, prof, 2, replace(stages, factor_sync="owner"))
+    assert owned["FactorComm"] == pytest.approx(0.21) and owned["total"] == pytest.approx(10.40)
+    # At P = 3 there is no direction to spare: the reductions queue, a broadcast's cost at P = 3 each
+    # (0.1 + 0.09 s and 0.1 + 0.16 s), still less than one all-reduce of the 25 elements (0.53 s).
+    three = simulation.simulate(layers, prof, 3, replace(stages, factor_sync="owner"))
+    link = simulation.scaled(prof, 3)
+    assert three["FactorComm"] == pytest.approx(link.broadcast(9) + link.broadcast(16)) == pytest.approx(0.45)
+    assert link.allreduce(25) > 0.45
 
 
 def test_simulate_prints_ratios_and_markdown(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

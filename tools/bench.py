@@ -58,9 +58,10 @@ CONFIGS: dict[str, dict[str, list[str]]] = {
         "+factor": ["kfac.variant=flow", "kfac.fusion=optimal", "kfac.placement=link", "kfac.broadcast=packed"],
         "+keeps": ["kfac.variant=flow", "kfac.fusion=optimal", "kfac.placement=link", "kfac.broadcast=owner_keeps"],
         "+full": ["kfac.variant=flow", "kfac.fusion=optimal", "kfac.placement=link", "kfac.broadcast=full"],
-        "+update": ["kfac.variant=flow", "kfac.fusion=optimal", "kfac.broadcast=update"],
-        "+fused": ["kfac.variant=flow", "kfac.fusion=optimal"],
-        "+split": ["kfac.variant=flow"],
+        "+update": ["kfac.variant=flow", "kfac.fusion=optimal", "kfac.broadcast=update", "kfac.factor_sync=allreduce"],
+        "+fused": ["kfac.variant=flow", "kfac.fusion=optimal", "kfac.factor_sync=allreduce"],
+        "+split": ["kfac.variant=flow", "kfac.factor_sync=allreduce"],
+        "+owner": ["kfac.variant=flow"],
         "layerwise": ["kfac.variant=flow", "kfac.fusion=layerwise"],
     },
     "fig10": {

@@ -47,6 +47,13 @@ class Backend(ABC):
     def broadcast_async(self, tensor: Tensor, src: int) -> Handle:
         """Overwrite ``tensor`` in place with rank ``src``'s (K-FAC group)."""
 
+    def reduce_async(self, tensor: Tensor, dst: int) -> Handle:
+        """Sum ``tensor`` over all ranks into rank ``dst``'s copy (K-FAC group); the others' copies are undefined.
+
+        By default an all-reduce (the sum lands on every rank; engines with a reduce override this).
+        """
+        return self.allreduce_async(tensor)
+
     @abstractmethod
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """Return ``model`` set up so that ``backward()`` leaves gradients averaged over ranks."""

@@ -30,6 +30,29 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+P2P_CHUNK_BYTES = 2 * 2**20
+"""Chunks of a reduction sent point to point (gloo)."""
+
+
+class SumOnWait:
+    """Point-to-point transfers of a reduction; :meth:`wait` adds the received copies into the tensor.
+
+    The receiver adds them in rank order, so the sum does not depend on which arrived first.
+    Gloo's point-to-point work has no future, so a trace can only see when it was waited for.
+    """
+
+    def __init__(self, tensor: Tensor, works: list[Any], parts: list[Tensor]) -> None:
+        self.tensor, self.works, self.parts = tensor, works, parts
+
+    def wait(self) -> None:
+        """Block until every chunk has moved; then sum (once)."""
+        for work in self.works:
+            work.wait()
+        for part in self.parts:
+            self.tensor.add_(part)
+        self.works, self.parts = [], []
+
+
 class TorchBackend(Backend):
     """Joins the job described by the launcher's environment (``RANK``, ``WORLD_SIZE``, ...).
 
@@ -47,6 +70,8 @@ class TorchBackend(Backend):
         self.device = pick_device(cfg.device, self.local_rank)
         self._group: Any = None
         self._objects: Any = None
+        self._engine = ""
+        self._tag = 0
         if self.world_size > 1:
             engine = "nccl" if self.device.type == "cuda" else "gloo"
             timeout = datetime.timedelta(seconds=cfg.timeout_s)
@@ -56,6 +81,7 @@ class TorchBackend(Backend):
                 dist.init_process_group(engine, timeout=timeout)
             # K-FAC traffic gets its own communicator so it does not queue behind DDP's buckets.
             self._group = dist.new_group(backend=engine, timeout=timeout)
+            self._engine = engine
             self._objects = dist.new_group(backend="gloo", timeout=timeout)
             logger.debug("rank %d/%d joined (%s)", self.rank, self.world_size, engine)
 
@@ -74,6 +100,37 @@ class TorchBackend(Backend):
         work = dist.broadcast(tensor, src=src, group=self._group, async_op=True)
         assert work is not None
         return work
+
+    def reduce_async(self, tensor: Tensor, dst: int) -> Handle:
+        """Sum into rank ``dst``'s ``tensor`` on the K-FAC group; returns at once.
+
+        NCCL has a reduce of its own. Gloo's moves more than an all-reduce (measured: 0.51 vs
+        0.35 s for 40 MB between two nodes at 1 Gbit/s), so there every other rank sends its copy
+        straight to ``dst`` in chunks (a 40 MB send each way between two nodes takes the time of
+        one 40 MB all-reduce; in one piece, two opposite sends sometimes ran one after the other).
+        """
+        if self.world_size == 1:
+            return Done()
+        if self._engine != "gloo":
+            work = dist.reduce(tensor, dst=dst, group=self._group, async_op=True)
+            assert work is not None
+            return work
+        flat = tensor.view(-1)
+        chunks = list(flat.split(max(1, P2P_CHUNK_BYTES // flat.element_size())))
+        works: list[Any] = []
+        parts: list[Tensor] = []
+        tag = self._tag  # the same on every rank: every rank posts the same reductions in the same order
+        self._tag += len(chunks)
+        if self.rank != dst:
+            works = [dist.isend(c, dst, group=self._group, tag=tag + i) for i, c in enumerate(chunks)]
+        else:
+            for src in range(self.world_size):
+                if src != dst:
+                    part = torch.empty_like(flat)
+                    parts.append(part)
+                    for i, c in enumerate(part.split(chunks[0].numel())):
+                        works.append(dist.irecv(c, src, group=self._group, tag=tag + i))
+        return SumOnWait(flat, works, parts)
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """Wrap in DDP when there is more than one worker."""

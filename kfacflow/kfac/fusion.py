@@ -19,10 +19,10 @@ from torch import Tensor
 
 from kfacflow.comm.base import Backend, Handle
 from kfacflow.kfac.fusion_plan import plan_groups
-from kfacflow.kfac.stages import FusionOptions, FusionPolicy, Waiting
+from kfacflow.kfac.stages import EVERY_RANK, FusionOptions, FusionPolicy, Waiting
 from kfacflow.perf import LinearModel
 from kfacflow.registry import COMMUNICATORS
-from kfacflow.timing import StepTimer
+from kfacflow.timing import UNTIL, StepTimer
 
 logger = logging.getLogger(__name__)
 
@@ -206,30 +206,91 @@ def estimated_arrivals(groups: Sequence[Sequence[tuple[str, int]]], allreduce: L
     return out
 
 
-class FusedAllreduce:
-    """One asynchronous all-reduce of several packed factors copied into one buffer.
+class FusedSum:
+    """One asynchronous sum over ranks of several packed factors copied into one buffer.
 
     Args:
-        backend: Where the all-reduce runs (its K-FAC group).
+        backend: Where it runs (its K-FAC group).
         items: ``(key, packed factor)`` pairs; all of one dtype and device.
-        timer: Records the all-reduce from launch to completion when tracing.
+        timer: Records the transfer from launch to completion when tracing.
+        dst: The one rank that needs the sum (a reduction), or ``None`` for every rank (an all-reduce).
     """
 
-    def __init__(self, backend: Backend, items: list[tuple[str, Tensor]], timer: StepTimer | None = None) -> None:
+    def __init__(
+        self, backend: Backend, items: list[tuple[str, Tensor]], timer: StepTimer | None = None, dst: int | None = None
+    ) -> None:
         self.world_size = backend.world_size
         self.keys = [k for k, _ in items]
         self.sizes = [t.numel() for _, t in items]
+        self.mine = dst is None or dst == backend.rank
         self.buffer = torch.cat([t.reshape(-1) for _, t in items]) if len(items) > 1 else items[0][1]
-        self.handle: Handle = backend.allreduce_async(self.buffer)
-        if timer is not None:
-            name = self.keys[0] if len(items) == 1 else f"{self.keys[0]} +{len(items) - 1}"
-            timer.on_done(self.handle, name, "allreduce")
+        self.handle: Handle = (
+            backend.allreduce_async(self.buffer) if dst is None else backend.reduce_async(self.buffer, dst)
+        )
+        self.timer, self.t0 = timer, time.perf_counter()
+        self.name = self.keys[0] if len(items) == 1 else f"{self.keys[0]} +{len(items) - 1}"
+        if dst is not None:
+            self.name += f" to {dst}"
+        if timer is not None and timer.on_done(self.handle, self.name, "allreduce"):
+            self.timer = None
 
     def wait(self) -> dict[str, Tensor]:
-        """Block until done; return the averaged factors by key."""
+        """Block until done; return the averaged factors by key (none on a rank a reduction is not for)."""
         self.handle.wait()
+        if self.timer is not None and self.timer.tracing:  # no future to say when it ended: until taken
+            self.timer.record(f"{self.name} {UNTIL}", "allreduce", self.t0, time.perf_counter())
+        if not self.mine:
+            return {}
         avg = self.buffer / self.world_size
         return dict(zip(self.keys, avg.split(self.sizes), strict=True))
+
+
+def by_owner(keys: Sequence[str], owners: dict[str, int]) -> list[tuple[int | None, list[str]]]:
+    """Split a group into one reduction per owner, in the order of first appearance; ``None``: all-reduced.
+
+    A factor every rank inverts (:data:`EVERY_RANK`) is all-reduced; so is any factor not in ``owners``.
+    """
+    parts: dict[int | None, list[str]] = {}
+    for key in keys:
+        owner = owners.get(key, EVERY_RANK)
+        parts.setdefault(None if owner == EVERY_RANK else owner, []).append(key)
+    return list(parts.items())
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Where ``kfac.factor_sync=owner`` sends each factor, and what the link costs.
+
+    Args:
+        owners: Each factor's owner (or :data:`EVERY_RANK`).
+        world_size: P.
+        allreduce: All-reduce time model; ``None``: unknown.
+        reduce: Reduction time model (a broadcast reversed: the broadcast's); ``None``: unknown.
+    """
+
+    owners: dict[str, int]
+    world_size: int
+    allreduce: LinearModel | None = None
+    reduce: LinearModel | None = None
+
+    def parts(self, keys: Sequence[str], elements: dict[str, int]) -> list[tuple[int | None, list[str]]]:
+        """How one group is summed: one reduction per owner, or the whole group in one all-reduce.
+
+        Reductions where they cost less by the models: between two ranks the reductions to
+        each run at once, one per direction (the longest counts); with more, they queue, each
+        paying its start-ups, so a group of many small factors of many owners stays one
+        all-reduce. Without models: reductions between two ranks, else only a group of one owner.
+        """
+        parts = by_owner(keys, self.owners)
+        owned = [sum(elements[k] for k in part) for dst, part in parts if dst is not None]
+        if not owned:
+            return [(None, list(keys))]
+        if self.allreduce is None or self.reduce is None:
+            return parts if self.world_size == 2 or len(owned) == 1 else [(None, list(keys))]
+        shared = sum(elements[k] for dst, part in parts if dst is None for k in part)
+        times = [self.reduce(m) for m in owned]
+        cost = (max(times) if self.world_size == 2 else sum(times)) + (self.allreduce(shared) if shared else 0.0)
+        return parts if cost < self.allreduce(sum(owned) + shared) else [(None, list(keys))]
 
 
 class Communicator:
@@ -251,9 +312,13 @@ class Communicator:
         self.backend, self.policy, self.timer = backend, policy, timer
         self.grouper = Grouper(policy)
         self.pending: dict[str, Tensor] = {}
-        self.inflight: list[FusedAllreduce] = []
+        self.inflight: list[FusedSum] = []
+        self.routing: Routing | None = None
+        """With ``kfac.factor_sync=owner``: where each factor is reduced."""
         self.launches = 0
-        """All-reduces launched so far (for tests and logs)."""
+        """Groups launched so far (for tests and logs)."""
+        self.reductions = 0
+        """Reductions to one owner launched so far (``kfac.factor_sync=owner``; for tests and logs)."""
         self.groups: list[list[tuple[str, int]]] = []
         """The groups of the last complete step, in launch order: ``(key, elements)``."""
         self._groups: list[list[tuple[str, int]]] = []
@@ -311,7 +376,13 @@ class Communicator:
         if keys:
             items = [(k, self.pending.pop(k)) for k in keys]
             self._groups.append([(k, t.numel()) for k, t in items])
-            self.inflight.append(FusedAllreduce(self.backend, items, self.timer))
+            if self.routing is None or self.backend.world_size == 1:
+                self.inflight.append(FusedSum(self.backend, items, self.timer))
+            else:
+                tensors = dict(items)
+                for dst, part in self.routing.parts(keys, {k: t.numel() for k, t in items}):
+                    self.inflight.append(FusedSum(self.backend, [(k, tensors[k]) for k in part], self.timer, dst))
+                    self.reductions += dst is not None
             self.launches += 1
 
     def _note(self, key: str, elements: int, seconds: float) -> None:

@@ -1,4 +1,4 @@
-"""How a step overlaps its phases: the pipeline, the owner's copy of a broadcast inverse, the gradient all-reduce.
+"""How a step overlaps its phases: the pipeline, what a broadcast carries, where factors and gradients are summed.
 
 None of these changes the mathematics: every combination gives the parameters of D-KFAC
 (``tests/test_stage_equivalence.py``); they change when work starts and what waits for what.
@@ -6,8 +6,8 @@ None of these changes the mathematics: every combination gives the parameters of
 
 from __future__ import annotations
 
-from kfacflow.kfac.stages import Broadcast, GradSync, Pipeline
-from kfacflow.registry import BROADCASTS, GRAD_SYNCS, PIPELINES
+from kfacflow.kfac.stages import Broadcast, FactorSync, GradSync, Pipeline
+from kfacflow.registry import BROADCASTS, FACTOR_SYNCS, GRAD_SYNCS, PIPELINES
 
 PIPELINES.add("barrier", Pipeline(False, False), "all factors, then all inverses, then every layer (the paper)")
 PIPELINES.add("invert_on_arrival", Pipeline(True, False), "each factor inverted as soon as its all-reduce completes")
@@ -40,4 +40,10 @@ GRAD_SYNCS.add(
     "deferred",
     GradSync(deferred=True),
     "gradients all-reduced after backward, behind the factors, awaited to precondition",
+)
+FACTOR_SYNCS.add("allreduce", FactorSync(to_owner=False), "factors summed on every rank (the paper)")
+FACTOR_SYNCS.add(
+    "owner",
+    FactorSync(to_owner=True),
+    "each factor reduced to its owner alone, who alone keeps its running average (kfac.broadcast=update)",
 )

@@ -14,7 +14,7 @@ from kfacflow import UserError
 from kfacflow.comm.base import Backend, GradientAllreduce, Handle
 from kfacflow.config import KFACConfig
 from kfacflow.kfac.capture import Capture
-from kfacflow.kfac.fusion import Communicator, estimated_arrivals
+from kfacflow.kfac.fusion import Communicator, Routing, estimated_arrivals
 from kfacflow.kfac.inverse import Inverse, warn_once
 from kfacflow.kfac.layers import KFACLayer, find_layers
 from kfacflow.kfac.packing import unpack
@@ -24,6 +24,9 @@ from kfacflow.perf import Profile
 from kfacflow.timing import StepTimer
 
 logger = logging.getLogger(__name__)
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+"""What a running average or an inverse may be held in, numbered for :meth:`KFACPreconditioner._from_owner`."""
 
 
 @dataclass
@@ -87,6 +90,8 @@ class KFACPreconditioner:
         self.running: dict[str, Tensor] = {}
         """Running averages of the factors, packed (upper triangles): half the memory and work."""
         self.inverses: dict[str, Inverse] = {}
+        self.held: set[str] | None = None
+        """With ``kfac.factor_sync=owner``: the factors whose running averages this rank keeps."""
         self._plan()
         logger.info(
             "K-FAC on %d layers (%s, %s, %s); largest factor %d; %d of %d inverses on every rank",
@@ -103,7 +108,11 @@ class KFACPreconditioner:
         """Run other stages from the next step on (between steps; the mathematics is the same).
 
         ``profile`` replaces the planning profile (another inverse method has other costs).
+        Collective where the old stages kept each running average on its owner alone: every
+        rank takes every average first, since the new placement may name other owners.
         """
+        if self.stages.factor_sync.to_owner:
+            self.running = self._gather_running()
         self.stages = stages
         self.profile = profile or self.profile
         self.comm = Communicator(self.backend, stages.fusion, self.timer)
@@ -133,6 +142,22 @@ class KFACPreconditioner:
         for slot, size, owner in zip(self.slots, sizes, owners, strict=True):
             slot.flat_size, slot.owner = size, owner
         self._schedule()
+        self._route()
+
+    def _route(self) -> None:
+        """With ``kfac.factor_sync=owner``: reduce each factor to its owner, and keep only this rank's averages.
+
+        Only once the layers in use are known: the first step all-reduces (a layer dropped at its
+        end changes the placement, and factors already on their way went by the old one).
+        """
+        if not self.stages.factor_sync.to_owner or self.capture.uses is None:
+            self.comm.routing, self.held = None, None
+            return
+        owners = {slot.key: slot.owner for slot in self.slots}
+        models = (self.profile.allreduce, self.profile.broadcast) if self.profile else (None, None)
+        self.comm.routing = Routing(owners, self.backend.world_size, *models)
+        self.held = {slot.key for slot in self.slots if slot.owner in (EVERY_RANK, self.backend.rank)}
+        self.running = {key: avg for key, avg in self.running.items() if key in self.held}
 
     def _schedule(self, ready: dict[str, float] | None = None) -> None:
         """Decide the order every rank inverts in (given when each factor is expected, for the arrival pipeline)."""
@@ -231,6 +256,8 @@ class KFACPreconditioner:
                 break
             yield averaged
         self.capture.reset()
+        if self.comm.routing is None:
+            self._route()  # the layers in use are known from the first step on
         if self.stages.pipeline.invert_on_arrival:  # next step, invert in the order the factors come
             self._schedule(estimated_arrivals(self.comm.groups, self.profile.allreduce if self.profile else None))
 
@@ -242,8 +269,8 @@ class KFACPreconditioner:
         decay = self.cfg.factor_decay
         with torch.no_grad():
             for key in self.keys:
-                if key not in averaged:
-                    continue  # the layer did not run this step: its average stays
+                if key not in averaged or (self.held is not None and key not in self.held):
+                    continue  # the layer did not run this step (its average stays), or another rank keeps it
                 new, old = averaged[key], self.running.get(key)
                 if not bool(torch.isfinite(new.sum())):  # a sum is non-finite when an element is
                     # Never blend a non-finite factor into the running average; start one from zero.
@@ -256,7 +283,10 @@ class KFACPreconditioner:
 
     @property
     def factors(self) -> dict[str, Tensor]:
-        """The running averages as full symmetric matrices (for inspection; the step keeps them packed)."""
+        """The running averages as full symmetric matrices (for inspection; the step keeps them packed).
+
+        With ``kfac.factor_sync=owner``, this rank's only (:meth:`state_dict` has every one).
+        """
         dims = {slot.key: slot.dim for slot in self.slots}
         return {k: unpack(v, dims[k]) for k, v in self.running.items()}
 
@@ -439,12 +469,14 @@ class KFACPreconditioner:
         """Return factors, inverses, the step counter and the layers in use (for checkpoints).
 
         Collective with ``kfac.broadcast=update``: each inverse lives on its owner only, and the
-        owners send theirs to every rank here so that the checkpoint (rank 0's) holds them all.
+        owners send theirs to every rank here so that the checkpoint (rank 0's) holds them all;
+        so do the running averages with ``kfac.factor_sync=owner``.
         """
         inverses = self._gather_inverses() if self.stages.broadcast.update else self.inverses
+        running = self._gather_running() if self.stages.factor_sync.to_owner else self.running
         return {
             "steps": self.steps,
-            "factors": dict(self.running),
+            "factors": dict(running),
             "inverses": {k: (v.kind, v.tensors) for k, v in inverses.items()},
             "layers": dict(self.capture.uses) if self.capture.uses is not None else None,
         }
@@ -453,21 +485,49 @@ class KFACPreconditioner:
         """Every inverse, its owner's bits on every rank (collective; in slot order on every rank)."""
         gathered = dict(self.inverses)
         kinds = sorted(Inverse.kinds)
-        for slot in self.slots:
-            if slot.owner == EVERY_RANK or self.backend.world_size == 1:
-                continue
+        for slot in self._communicated():
             mine = self.inverses.get(slot.key) if slot.owner == self.backend.rank else None
-            # Before the first inversion no rank has one: the owner says so with kind -1.
-            kind = torch.tensor([kinds.index(mine.kind) if mine is not None else -1], dtype=torch.int64)
-            self.backend.broadcast_async(kind, slot.owner).wait()
-            if int(kind[0]) < 0:
-                continue
-            cls = Inverse.kinds[kinds[int(kind[0])]]
-            like = self.running[slot.key]
-            flat = mine.to_full() if mine is not None else like.new_empty(cls.full_elements(slot.dim))
-            self.backend.broadcast_async(flat, slot.owner).wait()
-            gathered[slot.key] = mine if mine is not None else cls.from_full(flat, slot.dim)
+            flat = mine.to_full() if mine is not None else None
+            kind = kinds.index(mine.kind) if mine is not None else 0
+            got = self._from_owner(slot, flat, kind, [Inverse.kinds[k].full_elements(slot.dim) for k in kinds])
+            if got is not None and mine is None:
+                gathered[slot.key] = Inverse.kinds[kinds[got[0]]].from_full(got[1], slot.dim)
         return gathered
+
+    def _gather_running(self) -> dict[str, Tensor]:
+        """Every running average, its owner's on every rank (collective; in slot order on every rank)."""
+        gathered = dict(self.running)
+        for slot in self._communicated():
+            mine = self.running.get(slot.key) if slot.owner == self.backend.rank else None
+            got = self._from_owner(slot, mine, 0, [slot.dim * (slot.dim + 1) // 2])
+            if got is None:
+                gathered.pop(slot.key, None)
+            else:
+                gathered[slot.key] = got[1]
+        return gathered
+
+    def _communicated(self) -> list[FactorSlot]:
+        """The slots one rank owns (none on one process)."""
+        return [slot for slot in self.slots if slot.owner != EVERY_RANK and self.backend.world_size > 1]
+
+    def _from_owner(
+        self, slot: FactorSlot, flat: Tensor | None, kind: int, elements: list[int]
+    ) -> tuple[int, Tensor] | None:
+        """Send the owner's ``flat`` (of a ``kind`` it numbers) to every rank; ``None`` where the owner has none.
+
+        A first message says what follows: the kind and the dtype, or -1 (nothing inverted or
+        averaged yet); the others then receive ``elements[kind]`` values.
+        """
+        head = [kind, _DTYPES.index(flat.dtype)] if flat is not None else [-1, -1]
+        code = torch.tensor(head, dtype=torch.int64, device=self.backend.device)
+        self.backend.broadcast_async(code, slot.owner).wait()
+        kind, dtype = (int(v) for v in code.tolist())
+        if kind < 0:
+            return None
+        if flat is None:
+            flat = torch.empty(elements[kind], dtype=_DTYPES[dtype], device=self.backend.device)
+        self.backend.broadcast_async(flat, slot.owner).wait()  # the owner's own tensor is left as it is
+        return kind, flat
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned.
@@ -501,6 +561,7 @@ class KFACPreconditioner:
             for k, (kind, ts) in state["inverses"].items()
             if k in held or not self.stages.broadcast.update  # with update, each rank needs its own only
         }
+        self._route()
         self.capture.active = self._updates_factors()
 
     def remove(self) -> None:

@@ -245,6 +245,7 @@ class Variant:
     pipeline: str = "barrier"
     broadcast: str = "packed"
     grad_sync: str = "overlap"
+    factor_sync: str = "allreduce"
     choose: bool = False
     """Start with these stages, then simulate every preset on a traced step and keep the fastest."""
 
@@ -300,6 +301,20 @@ class GradSync:
     deferred: bool
 
 
+@dataclass(frozen=True)
+class FactorSync:
+    """Where a step's factors are summed (``kfac.factor_sync``).
+
+    ``allreduce``: on every rank, as the paper does (every rank may invert anything). ``owner``
+    (with ``kfac.broadcast=update``, where no rank but a layer's owner ever reads its factors):
+    each factor is reduced to its owner alone and only the owner keeps its running average, so
+    at P = 2 the two directions of the link carry the two owners' factors at once (half the
+    bytes each way of an all-reduce); factors every rank inverts (NCTs) are still all-reduced.
+    """
+
+    to_owner: bool
+
+
 @dataclass
 class StageSet:
     """The built stages one preconditioner runs."""
@@ -311,3 +326,4 @@ class StageSet:
     precondition: PreconditionStage
     pipeline: Pipeline = Pipeline(invert_on_arrival=False, precondition_on_arrival=False)
     broadcast: Broadcast = Broadcast(owner_keeps=False)
+    factor_sync: FactorSync = FactorSync(to_owner=False)

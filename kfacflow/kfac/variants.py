@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kfacflow.config import KFACConfig
+from kfacflow.kfac import overlap  # noqa: F401  (registers the broadcasts resolve looks up)
 from kfacflow.kfac.stages import Variant
-from kfacflow.registry import VARIANTS
+from kfacflow.registry import BROADCASTS, VARIANTS
 
 __all__ = ["PRESETS", "Stages", "Variant", "resolve"]
 
@@ -22,20 +23,28 @@ class Stages:
     pipeline: str = "barrier"
     broadcast: str = "packed"
     grad_sync: str = "overlap"
+    factor_sync: str = "allreduce"
     choose: bool = False
 
 
 def resolve(cfg: KFACConfig) -> Stages:
-    """Return the stages of ``cfg.variant`` with any explicit ``kfac.<stage>`` choice winning."""
+    """Return the stages of ``cfg.variant`` with any explicit ``kfac.<stage>`` choice winning.
+
+    A preset's ``factor_sync=owner`` gives way to ``allreduce`` where the recipe chose a broadcast
+    of inverses (every rank then needs every factor); asked for by name, it is checked instead.
+    """
     v = VARIANTS.get(cfg.variant)
+    broadcast = cfg.broadcast or v.broadcast
+    factor_sync = cfg.factor_sync or (v.factor_sync if BROADCASTS.get(broadcast).update else "allreduce")
     return Stages(
         fusion=cfg.fusion or v.fusion,
         placement=cfg.placement or v.placement,
         inverse=cfg.inverse or v.inverse,
         preconditioned=v.preconditioned,
         pipeline=cfg.pipeline or v.pipeline,
-        broadcast=cfg.broadcast or v.broadcast,
+        broadcast=broadcast,
         grad_sync=(cfg.grad_sync or v.grad_sync) if v.preconditioned else "overlap",
+        factor_sync=factor_sync,
         choose=v.choose,
     )
 
@@ -46,11 +55,17 @@ VARIANTS.add("d", Variant(), "D-KFAC: factors all-reduced after backward, every 
 VARIANTS.add(
     "flow",
     Variant(
-        "optimal_split", "layer", "cholesky_factor", pipeline="arrival", broadcast="fused_update", grad_sync="deferred"
+        "optimal_split",
+        "layer",
+        "cholesky_factor",
+        pipeline="arrival",
+        broadcast="fused_update",
+        grad_sync="deferred",
+        factor_sync="owner",
     ),
     "past the paper: SPD's fusion with large factors sent alone, whole layers to owners who precondition "
-    "and send the update (in all-reduced buckets where start-ups dominate), Cholesky factors, inversion as "
-    "factors arrive, gradients behind the inversions",
+    "and send the update (in all-reduced buckets where start-ups dominate), each factor reduced to its owner "
+    "alone, Cholesky factors, inversion as factors arrive, gradients behind the inversions",
 )
 VARIANTS.add(
     "auto",
