@@ -36,6 +36,8 @@ class Backend(ABC):
     local_rank: int = 0
     local_world_size: int = 1
     device: torch.device = torch.device("cpu")
+    reduces: bool = False
+    """Whether :meth:`reduce_async` sums into one rank alone (else it all-reduces: routing gains nothing)."""
     last_grad_launch: float = 0.0
     """``perf_counter`` time at which the last gradient all-reduce of this step was launched."""
 

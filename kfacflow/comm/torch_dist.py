@@ -60,6 +60,8 @@ class TorchBackend(Backend):
         cfg: The ``dist`` section of the recipe.
     """
 
+    reduces = True
+
     def __init__(self, cfg: DistConfig) -> None:
         self.joined = dist.is_available() and dist.is_initialized()
         """Whether the default process group was there already (the library API: the user's own job)."""

@@ -148,9 +148,10 @@ class KFACPreconditioner:
         """With ``kfac.factor_sync=owner``: reduce each factor to its owner, and keep only this rank's averages.
 
         Only once the layers in use are known: the first step all-reduces (a layer dropped at its
-        end changes the placement, and factors already on their way went by the old one).
+        end changes the placement, and factors already on their way went by the old one). An
+        engine without a reduction (Horovod) all-reduces every step, as with ``allreduce``.
         """
-        if not self.stages.factor_sync.to_owner or self.capture.uses is None:
+        if not self.stages.factor_sync.to_owner or self.capture.uses is None or not self.backend.reduces:
             self.comm.routing, self.held = None, None
             return
         owners = {slot.key: slot.owner for slot in self.slots}
