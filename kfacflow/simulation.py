@@ -150,7 +150,8 @@ def simulate(
     # kfac.factor_sync=owner: one reduction per owner of a group (a broadcast reversed: its cost),
     # in one direction of the link between two ranks; the NCTs all-reduced.
     to_owner = workers > 1 and registry.FACTOR_SYNCS.get(stages.factor_sync).to_owner
-    owner = dict(zip(_keys(rows), update_owners(rows, prof, workers, stages), strict=True)) if to_owner else {}
+    owners = update_owners(rows, prof, workers, stages) if registry.BROADCASTS.get(stages.broadcast).update else None
+    owner = dict(zip(_keys(rows), owners, strict=True)) if to_owner and owners is not None else {}
     routing = Routing(owner, workers, prof.allreduce, prof.broadcast)
     ops: list[tuple[float, int, int, list[str], int | None]] = [
         (at, 0, sum(elements[k] for k in part), part, dst)
@@ -178,7 +179,8 @@ def simulate(
         for _, m in grads:
             grads_done = link.send(max(start, link.free), prof.allreduce(m))
     groups = [[(k, elements[k]) for k in keys] for _, keys in launches]
-    backward_pass = _Backward(arrival, start, grads_done, grad_comm, link, estimated_arrivals(groups, prof.allreduce))
+    expected = estimated_arrivals(groups, prof.allreduce)
+    backward_pass = _Backward(arrival, start, grads_done, grad_comm, link, expected, owners)
     return _inverse_phase(rows, measured, prof, workers, stages, use_measured, backward_pass, hooks, ffbp)
 
 
@@ -197,6 +199,8 @@ class _Backward:
     link: Link
     expected: dict[str, float]
     """When each factor is expected (what the trainer orders an arrival pipeline's inversions by)."""
+    owners: list[int] | None = None
+    """With ``kfac.broadcast=update``: who inverts each factor (whole layers), A1, G1, A2, G2, ..."""
 
 
 def _inverse_phase(
@@ -330,7 +334,8 @@ def _update_phase(
     keys = _keys(rows)
     dims = [d for r in rows for d in (r["a_dim"], r["g_dim"])]
     sizes = [r["a_dim"] * r["g_dim"] for r in rows for _ in (0, 1)]
-    owners = update_owners(rows, prof, workers, stages)
+    assert bwd.owners is not None
+    owners = bwd.owners
     to_owner = workers > 1 and registry.FACTOR_SYNCS.get(stages.factor_sync).to_owner
     on_arrival = registry.PIPELINES.get(stages.pipeline).invert_on_arrival
     start = bwd.start
