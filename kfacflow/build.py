@@ -51,6 +51,7 @@ PLUGINS = (
     "kfacflow.kfac.fusion",
     "kfacflow.kfac.placement",
     "kfacflow.kfac.inverse",
+    "kfacflow.kfac.cupy_inverse",
     "kfacflow.kfac.precondition",
     "kfacflow.kfac.overlap",
 )
@@ -116,6 +117,23 @@ def check(cfg: DictConfig) -> None:
             )
     if cfg.dist.device == "cuda" and not torch.cuda.is_available():
         raise UserError("dist.device=cuda but no CUDA device is visible; use dist.device=auto or cpu.")
+    check_device(resolve(k), cfg.dist.device)
+    _check_engine(cfg)
+
+
+def _check_engine(cfg: DictConfig) -> None:
+    """NCCL needs CUDA, and a GPU of its own for every rank of a machine."""
+    if cfg.dist.backend != "torch" or cfg.dist.engine == "gloo":
+        return
+    cuda = cfg.dist.device == "cuda" or (cfg.dist.device == "auto" and torch.cuda.is_available())
+    if cfg.dist.engine == "nccl" and not cuda:
+        raise UserError("dist.engine=nccl needs CUDA tensors, but this run's device is the CPU; use dist.engine=auto.")
+    gpus = torch.cuda.device_count() if cuda else 0
+    if cuda and cfg.launch.nproc > 1 and cfg.launch.nproc > gpus and os.environ.get("LOCAL_WORLD_SIZE") is None:
+        raise UserError(
+            f"launch.nproc={cfg.launch.nproc} ranks on {gpus} visible GPU(s): NCCL refuses two ranks on one GPU; "
+            f"set launch.nproc={gpus}, or dist.engine=gloo (CUDA tensors through the host)."
+        )
 
 
 def check_stages(names: Stages) -> None:
@@ -134,6 +152,20 @@ def check_stages(names: Stages) -> None:
             f"kfac.broadcast={names.broadcast} sends inverses that every rank applies; set kfac.broadcast=update "
             "or fused_update, or kfac.factor_sync=allreduce."
         )
+
+
+def check_device(names: Stages, device: str | torch.device) -> None:
+    """Check that the chosen stages can run on ``device`` (``auto``: CUDA where it is available, as workers pick).
+
+    Raises:
+        UserError: Naming the key to change (``kfac.inverse=cupy_cholesky`` needs CUDA and CuPy).
+    """
+    from kfacflow.kfac import cupy_inverse  # a plugin: registering it is load_plugins' work, not this import's
+
+    if names.preconditioned and names.inverse == cupy_inverse.NAME:
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        cupy_inverse.check_usable(device)
 
 
 def _check_horovod(nproc: int) -> None:
@@ -223,6 +255,7 @@ def preconditioner(
     """Build K-FAC for ``model`` from the ``kfac`` section of a recipe (its variant must precondition)."""
     load_plugins()
     names = resolve(cfg)
+    check_device(names, backend.device)
     planning = profile.for_method(names.inverse) if profile is not None else None
     return KFACPreconditioner(model, cfg, stages(cfg, names, profile), backend, planning, timer, accumulate)
 

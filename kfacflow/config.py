@@ -135,6 +135,16 @@ class TrainConfig:
     ``metrics.jsonl`` in the run folder."""
     max_nonfinite: int = field(default=5, metadata=at_least(1))
     """Steps in a row with a non-finite loss or gradient (each skipped on every rank) before training stops."""
+    amp: Literal["none", "bf16", "fp16"] = "none"
+    """Mixed precision: the forward pass and loss under ``torch.autocast`` in bfloat16 or float16 (parameters,
+    gradients, optimizer and K-FAC's factors stay in ``train.dtype``); ``fp16`` also scales the loss (a gradient
+    scaler every rank agrees on: a step whose gradients overflow is skipped by all and the scale backs off)."""
+    loss_scale: float = field(default=65536.0, metadata=above(0, "the fp16 loss scale to start from"))
+    """``train.amp=fp16``: the first loss scale (a power of two keeps the unscaling exact)."""
+    timing: bool = True
+    """Break every step down into the parts of ``timings.jsonl`` (on CUDA by events on the stream, one device
+    synchronization a step); ``false`` keeps only each step's wall time, for production or to measure what
+    timing costs. A traced step (``train.timeline``) is broken down either way."""
     timing_warmup: int = field(default=2, metadata=at_least(0))
     """First steps left out of the mean time breakdown and the median step time in summary.json."""
     timeline: int = field(default=0, metadata=at_least(0, "0 is off"))
@@ -203,6 +213,9 @@ class DistConfig:
     """A registry name (`--list backend`)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto`` uses CUDA (and NCCL) when available, otherwise CPU and gloo."""
+    engine: Literal["auto", "nccl", "gloo"] = "auto"
+    """torch.distributed's engine (``dist.backend=torch``): ``auto`` is NCCL on CUDA and gloo on CPU. NCCL refuses
+    two ranks on one GPU: ``gloo`` carries CUDA tensors too (through the host), for that case and for tests."""
     timeout_s: int = field(default=300, metadata=at_least(1, "seconds a collective may wait"))
     """Seconds a collective may wait before the job fails instead of hanging."""
 
@@ -252,6 +265,12 @@ class KFACConfig:
     """Factor-update steps the ``optimal`` fusion measures (after one warm-up step) before fixing its plan."""
     skip: list[str] = field(default_factory=list)
     """fnmatch patterns of module names K-FAC leaves alone (e.g. ``fc``, ``layer4.*``)."""
+    factor_dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = "auto"
+    """What factors are computed, all-reduced and averaged in; ``auto``: the parameters' (float32 under mixed
+    precision: activations of the autocast forward are cast up first). Half precision only when named here."""
+    inverse_dtype: Literal["auto", "float32", "float64"] = "auto"
+    """What factors are inverted and gradients preconditioned in (the update is cast back to the gradient's
+    dtype); ``auto``: the factors' dtype, at least float32."""
 
 
 @dataclass
@@ -516,6 +535,11 @@ def check(cfg: DictConfig) -> None:
         raise UserError(
             f"optim.nesterov=true needs optim.momentum > 0 (it is {cfg.optim.momentum}); "
             "set optim.momentum (e.g. 0.9) or optim.nesterov=false."
+        )
+    if cfg.train.amp != "none" and cfg.train.dtype != "float32":
+        raise UserError(
+            f"train.amp={cfg.train.amp} runs a float32 model's forward pass in half precision; with "
+            f"train.dtype={cfg.train.dtype} set train.amp=none (or train.dtype=float32)."
         )
     k = cfg.kfac
     if k.inv_update_freq % k.factor_update_freq:

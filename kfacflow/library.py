@@ -69,6 +69,9 @@ class KFACPreconditioner:
         profile: Performance models for the placements and fusions that plan with them (a
             ``profile.yaml`` path or a :class:`~kfacflow.perf.Profile`); measured now if they
             need one and none is given.
+        grad_scaler: The ``torch.amp.GradScaler`` of a float16 mixed-precision loop: G factors
+            are then taken from the unscaled output gradients. Call ``scaler.unscale_(optimizer)``
+            before :meth:`step`, then ``scaler.step(optimizer)`` and ``scaler.update()``.
         **kfac: Any other ``kfac.*`` recipe key: ``fusion``, ``placement``, ``inverse``,
             ``pipeline``, ``broadcast``, ``grad_sync``, ``factor_sync``, ``factor``, ``factor_decay``,
             ``kl_clip``, ``skip`` (fnmatch patterns of module names), ``profile_steps`` ...
@@ -90,6 +93,7 @@ class KFACPreconditioner:
         backend: str = "torch",
         device: str = "auto",
         profile: str | Path | Profile | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
         **kfac: Any,
     ) -> None:
         if "profile" in kfac or "variant" in kfac:
@@ -130,11 +134,13 @@ class KFACPreconditioner:
         self.averages = self.backend.world_size > 1 and not wrapped and backend == "torch"
         names = self._grad_sync(cfg, names, wrapped, backend)
         cfg.grad_sync = names.grad_sync
+        build.check_device(names, self.backend.device)  # before any calibration
         if self.averages:
             self._same_start()
         dtype = next(self.model.parameters()).dtype
         planning = self._profile(profile, names, dtype) if build.needs_profile(names) else None
         self.core = build.preconditioner(self.model, cfg, self.backend, planning, accumulate=accumulate)
+        self.core.grad_scaler = grad_scaler
         self.cfg = cfg
 
     def _grad_sync(self, cfg: Any, names: Stages, wrapped: bool, backend: str) -> Stages:

@@ -12,9 +12,13 @@ the time the transfer takes: an all-reduce hidden behind computation costs nothi
 ``GradComm`` is the tail of DDP's bucketed all-reduce: from the last bucket's launch to the end
 of ``backward()``, where DDP waits for all buckets (:meth:`StepTimer.end_step` attributes it).
 
-On CUDA, span boundaries synchronize the device so that the times are real; that serializes
-kernels with communication a little, which is why the timeline of one step is the place to see
-overlap, not the breakdown's absolute numbers.
+On either device a part is the time the *worker* spent in it: on CPU the host's wall time
+between a span's ends; on CUDA the compute stream's time between two CUDA events recorded at
+them, resolved once after the step (one device synchronization a step, at its end), so that the
+spans neither stall the host nor serialize the stream against communication. Only a traced step
+(``train.timeline``, ``kfac.variant=auto``'s choice) synchronizes at every span boundary, since
+its events need host times. ``train.timing=false`` times nothing but the step's wall interval
+(the cost of timing itself can then be measured).
 """
 
 from __future__ import annotations
@@ -52,11 +56,14 @@ class StepTimer:
     """Accumulates the breakdown of the current step and, when tracing, its events.
 
     Args:
-        device: The training device (CUDA spans synchronize it).
+        device: The training device (on CUDA, spans are timed by events on the current stream).
+        enabled: Whether steps are broken down; ``False`` keeps only each step's wall time (a
+            traced step is broken down all the same).
     """
 
-    def __init__(self, device: torch.device) -> None:
-        self.sync = device.type == "cuda"
+    def __init__(self, device: torch.device, enabled: bool = True) -> None:
+        self.cuda = device.type == "cuda"
+        self.enabled = enabled
         self.device = device
         self.parts: dict[str, float] = defaultdict(float)
         self.events: list[dict[str, Any]] = []
@@ -66,18 +73,39 @@ class StepTimer:
         self._last_pass = (0.0, 0.0)
         self._last_end: float | None = None
         self._outside = 0.0
+        self._marks: list[tuple[str, Any, Any]] = []
+        """CUDA spans of this step, resolved at its end: (category, start event, end event)."""
+        self._passes: list[tuple[Any, Any, int, int]] = []
+        """CUDA forward and backward passes: their events and the range of ``_marks`` inside them."""
+
+    @property
+    def timing(self) -> bool:
+        """Whether this step is broken down."""
+        return self.enabled or self.tracing
+
+    @property
+    def _events(self) -> bool:
+        """Whether spans are CUDA events (CUDA, broken down, not traced)."""
+        return self.cuda and self.enabled and not self.tracing
 
     def now(self) -> float:
-        """Return the current time in seconds (after the device finished its queued work)."""
-        if self.sync:
+        """Return the current time in seconds (on CUDA while tracing: after the device finished its queued work)."""
+        if self.cuda and self.tracing:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+    def mark(self) -> Any:
+        """Return a point in time that :meth:`end_step` can compare: a recorded CUDA event, else :meth:`now`."""
+        if self._events:
+            return _record()
+        return self.now()
 
     def begin_step(self, trace: bool = False) -> None:
         """Start a new step; ``trace`` records per-layer events for :meth:`chrome_events`."""
         self.parts = defaultdict(float)
         self.tracing = trace
         self.events = []
+        self._marks, self._passes = [], []
         self._compute, self._last_pass = 0.0, (0.0, 0.0)
         self.origin = self.now()
         if self._last_end is not None:
@@ -96,6 +124,16 @@ class StepTimer:
     @contextmanager
     def compute(self, name: str) -> Iterator[None]:
         """Time a forward or backward pass: it counts as FF&BP less the factor work its hooks did."""
+        if not self.timing:
+            yield
+            return
+        if self._events:
+            start, first = _record(), len(self._marks)
+            try:
+                yield
+            finally:
+                self._passes.append((start, _record(), first, len(self._marks)))
+            return
         t0 = self.now()
         hooks = self.parts["FactorComp"] + self.parts["FactorComm"]
         try:
@@ -109,6 +147,16 @@ class StepTimer:
     @contextmanager
     def span(self, category: str, name: str | None = None, lane: str = "compute") -> Iterator[None]:
         """Add the time of the ``with`` body to ``category`` (and an event named ``name`` when tracing)."""
+        if not self.timing:
+            yield
+            return
+        if self._events:
+            start = _record()
+            try:
+                yield
+            finally:
+                self._marks.append((category, start, _record()))
+            return
         t0 = self.now()
         try:
             yield
@@ -140,26 +188,55 @@ class StepTimer:
         handle.get_future().add_done_callback(callback)
         return True
 
-    def end_step(self, total: float | None = None, grad_launch: float = 0.0) -> dict[str, float]:
+    def end_step(self, total: float | None = None, grad_launch: Any = 0.0) -> dict[str, float]:
         """Close the step; return the breakdown with ``Other`` = ``total`` minus the named parts.
 
         Args:
             total: The step's seconds; by default since the end of the previous step (less the time
                 spent :meth:`outside` steps), or since :meth:`begin_step` for the first.
-            grad_launch: When the last gradient all-reduce was launched. If that was during the
-                last pass, the rest of that pass waited for it: GradComm, not FF&BP.
+            grad_launch: When the last gradient all-reduce was launched (a :meth:`mark`). If that
+                was during the last pass, the rest of that pass waited for it: GradComm, not FF&BP.
         """
-        end = self.now()
+        if self.cuda and not self.tracing and self.timing:
+            torch.cuda.synchronize(self.device)  # the step's one synchronization: its events are resolved
+        end = time.perf_counter()
         self._last_end = end
         total = end - self.origin + self.parts["Between"] if total is None else total
-        t0, t1 = self._last_pass
-        tail = t1 - grad_launch if grad_launch > t0 else 0.0
+        if not self.timing:
+            return {"total": total}
+        if self._events:
+            tail = self._resolve(grad_launch)
+        else:
+            t0, t1 = self._last_pass
+            tail = t1 - grad_launch if isinstance(grad_launch, float) and grad_launch > t0 else 0.0
         self.parts["GradComm"] += tail
         self.parts["FF&BP"] += max(0.0, self._compute - tail)
         parts = {c: self.parts.get(c, 0.0) for c in CATEGORIES if c != "Other"}
         parts["Other"] = max(0.0, total - sum(parts.values()))
         parts["total"] = total
         return parts
+
+    def _resolve(self, grad_launch: Any) -> float:
+        """Add the step's CUDA spans and passes to the parts; return the last pass's tail after ``grad_launch``."""
+        for category, start, stop in self._marks:
+            self.parts[category] += start.elapsed_time(stop) / 1e3
+        tail = 0.0
+        for start, stop, first, last in self._passes:
+            hooks = sum(s.elapsed_time(e) for c, s, e in self._marks[first:last] if c in ("FactorComp", "FactorComm"))
+            self._compute += (start.elapsed_time(stop) - hooks) / 1e3
+        if self._passes and isinstance(grad_launch, torch.cuda.Event):
+            start, stop, _, _ = self._passes[-1]
+            if start.elapsed_time(grad_launch) > 0:
+                tail = grad_launch.elapsed_time(stop) / 1e3
+        self._marks, self._passes = [], []
+        return max(0.0, tail)
+
+
+def _record() -> Any:
+    """Record a timing event on the current CUDA stream."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def chrome_trace(events_by_rank: list[list[dict[str, Any]]]) -> dict[str, Any]:
@@ -189,8 +266,11 @@ def chrome_trace(events_by_rank: list[list[dict[str, Any]]]) -> dict[str, Any]:
 
 
 def summarize(steps: list[dict[str, float]], warmup: int) -> dict[str, float]:
-    """Return the mean of each part over ``steps`` after the first ``warmup`` (all steps if too few)."""
+    """Return the mean of each part over ``steps`` after the first ``warmup`` (all steps if too few).
+
+    Only the parts every step has (with ``train.timing=false`` the traced step alone is broken down).
+    """
     kept = steps[warmup:] if len(steps) > warmup else steps
     if not kept:
         return {}
-    return {k: sum(s[k] for s in kept) / len(kept) for k in kept[0]}
+    return {k: sum(s[k] for s in kept) / len(kept) for k in kept[0] if all(k in s for s in kept)}

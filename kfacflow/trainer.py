@@ -25,6 +25,7 @@ from kfacflow.build import Training
 from kfacflow.comm.base import Backend, GradientAllreduce
 from kfacflow.consistency import all_finite, check_replicas
 from kfacflow.kfac.variants import resolve
+from kfacflow.precision import MixedPrecision
 from kfacflow.resume import checkpoint_meta
 from kfacflow.runlog import RunLog
 from kfacflow.seeding import rng_state, set_rng_state
@@ -60,6 +61,9 @@ class Trainer:
         """The variant in force (``auto`` becomes the preset it chose)."""
         self.image = f"{built.info.channels}x{built.info.image_size}x{built.info.image_size}"
         self.report = RunLog(cfg, run_dir, self.rank, self.world)
+        self.precision = MixedPrecision(cfg.train.amp, self.device, cfg.train.loss_scale)
+        if self.kfac:
+            self.kfac.grad_scaler = self.precision.scaler
         self.ema = (
             AveragedModel(self.model, multi_avg_fn=get_ema_multi_avg_fn(cfg.train.ema), use_buffers=True)
             if cfg.train.ema > 0
@@ -87,7 +91,8 @@ class Trainer:
     @classmethod
     def from_recipe(cls, cfg: DictConfig, backend: Backend, run_dir: Path) -> Trainer:
         """Build everything ``cfg`` describes (a resume is checked first) and return its trainer."""
-        timer = StepTimer(backend.device)
+        timer = StepTimer(backend.device, cfg.train.timing)
+        backend.clock = timer.mark  # DDP's bucket launches, as points the timer can compare
         return cls(cfg, build.training(cfg, backend, run_dir, timer), backend, run_dir, timer)
 
     @property
@@ -113,6 +118,7 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "kfac": self.kfac.state_dict() if self.kfac else None,
             "ema": self.ema.state_dict() if self.ema is not None else None,
+            "loss_scale": self.precision.state_dict(),
             "history": self.history,
             "rng": self.backend.gather_objects(rng_state()),
         }
@@ -126,6 +132,7 @@ class Trainer:
             self.kfac.load_state_dict(state["kfac"])
         if self.ema is not None and state.get("ema") is not None:
             self.ema.load_state_dict(state["ema"])  # a run resumed with train.ema newly on starts it afresh
+        self.precision.load_state_dict(state.get("loss_scale"))
         self.step, self.history = int(state["step"]), list(state["history"])
         set_rng_state(state["rng"][self.rank])
 
@@ -219,22 +226,25 @@ class Trainer:
         self.net.train()
         # BatchNorm statistics move in the forward pass: a skipped step puts them back.
         self._buffers = [b.detach().clone() for b in self.model.buffers()]
-        loss_sum, correct, samples = 0.0, 0.0, 0
+        # On the device, read once the step is decided: a read per micro-batch would stall a GPU's queue.
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        correct, samples = torch.zeros_like(loss_sum), 0
         for i, (x, y) in enumerate(batches):
             x, y = x.to(self.device, self.dtype, non_blocking=True), y.to(self.device, non_blocking=True)
             # Gradients are averaged over ranks once: in the step's last backward pass, or after it (deferred).
             with self.backend.no_sync(self.net) if self.deferred or i < len(batches) - 1 else nullcontext():
-                with self.timer.compute("forward"):
+                with self.timer.compute("forward"), self.precision.autocast():
                     out = self._forward(x)
-                loss = F.cross_entropy(out, y, label_smoothing=self.cfg.train.label_smoothing)
+                    loss = F.cross_entropy(out, y, label_smoothing=self.cfg.train.label_smoothing)
                 with self.timer.compute("backward"):
-                    (loss if len(batches) == 1 else loss / len(batches)).backward()
-            loss_sum += float(loss.detach()) * y.shape[0]
-            correct += float((out.detach().argmax(1) == y).sum())
+                    self.precision.scale(loss if len(batches) == 1 else loss / len(batches)).backward()
+            loss_sum += loss.detach().double() * y.shape[0]
+            correct += (out.detach().argmax(1) == y).sum()
             samples += y.shape[0]
         with self.timer.span("GradComm"):
             self.backend.finish_gradients(self.optimizer)
-        value, lr = loss_sum / samples, self.optimizer.param_groups[0]["lr"]
+        self.precision.unscale(self.optimizer)  # K-FAC and every check see the true gradients
+        lr = self.optimizer.param_groups[0]["lr"]
         gradients = GradientAllreduce(self.backend, list(self.model.parameters())) if self.deferred else None
         # Averaged gradients are the same on every rank: every rank makes the same choice here (deferred
         # gradients are not averaged yet; their preconditioned form is checked below).
@@ -244,7 +254,9 @@ class Trainer:
             usable = self._gradients_finite()  # what is applied: the preconditioned gradients
         elif self.kfac:
             self.kfac.skip_step(gradients)  # its collectives still run: every rank drops this step's factors
-        skip, totals = self._agree_to_skip(value, usable, torch.tensor([loss_sum, correct, samples]))
+        skip, totals = self._agree_to_skip(usable, torch.stack([loss_sum, correct, loss_sum.new_tensor(samples)]))
+        value = float(loss_sum) / samples  # decided above: the device has finished the step's losses
+        self.precision.update(skip)
         if skip:
             self.timer.end_step()  # a skipped step is not timed, and its time is no other step's
             return value, totals
@@ -290,7 +302,7 @@ class Trainer:
             self.scheduler.step()
         self.step += 1
 
-    def _agree_to_skip(self, loss: float, finite_update: bool, stats: Tensor) -> tuple[bool, Tensor]:
+    def _agree_to_skip(self, finite_update: bool, stats: Tensor) -> tuple[bool, Tensor]:
         """Agree with every rank whether to skip this step (non-finite loss or update) and whether to stop.
 
         One small all-reduce a step, which also sums ``stats`` (the metrics to log) over ranks: a
@@ -298,27 +310,43 @@ class Trainer:
         row end training with a clear message, and so does a skip whose cause is already in the
         parameters (an earlier update overflowed).
 
+        Args:
+            finite_update: Whether this rank's update is finite.
+            stats: This rank's loss sum, correct predictions and samples (float64, on the device);
+                a non-finite loss sum is a non-finite loss.
+
         Returns:
-            Whether the step is skipped, and ``stats`` summed over ranks.
+            Whether the step is skipped, and ``stats`` summed over ranks (on the CPU).
         """
-        bad = not math.isfinite(loss) or not finite_update
-        flags = torch.cat([torch.tensor([float(bad), float(self.stop_requested)]), stats.double()])
-        flags = self.backend.allreduce_sum(flags.to(torch.float64))
-        totals = flags[2:]
+        bad_loss = ~torch.isfinite(stats[0])
+        bad = torch.logical_or(bad_loss, torch.tensor(not finite_update, device=stats.device))
+        head = torch.stack([bad.double(), stats.new_tensor(float(self.stop_requested)), bad_loss.double()])
+        flags = self.backend.allreduce_sum(torch.cat([head, stats])).cpu()  # the step's one read of the device
+        totals = flags[3:]
         if flags[1] > 0:
             self.stopped_by = self.stop_requested or signal.SIGTERM
         if flags[0] == 0:
             self.nonfinite_in_row = 0
             return False, totals
-        self.nonfinite_in_row += 1
+        # float16's gradients overflow while the loss scale finds its level: the scaler's business, not a fault.
+        scaler_skip = self.precision.scaler is not None and flags[2] == 0
+        self.nonfinite_in_row += 0 if scaler_skip else 1
         self.skipped_steps += 1
         with torch.no_grad():
             for buffer, saved in zip(self.model.buffers(), self._buffers, strict=True):
                 buffer.copy_(saved)
         self._next_step()
-        logger.warning(
-            "step %d skipped on every rank: non-finite loss, gradient or update on %d rank(s)", self.step, int(flags[0])
-        )
+        if scaler_skip:
+            logger.info(
+                "step %d skipped on every rank: float16 gradients overflowed; the loss scale backs off",
+                self.step,
+            )
+        else:
+            logger.warning(
+                "step %d skipped on every rank: non-finite loss, gradient or update on %d rank(s)",
+                self.step,
+                int(flags[0]),
+            )
         hint = "lower optim.lr or optim.weight_decay, raise kfac.damping or kfac.kl_clip, or check the data"
         params = list(self.model.parameters())
         if not all_finite(params):
@@ -363,7 +391,8 @@ class Trainer:
             sums = torch.zeros(3, dtype=torch.float64, device=self.device)
             for x, y in self.val_loader:
                 x, y = x.to(self.device, self.dtype), y.to(self.device)
-                out = net(x)
+                with self.precision.autocast():
+                    out = net(x).float()
                 sums += torch.stack(
                     [
                         F.cross_entropy(out, y, reduction="sum").double(),

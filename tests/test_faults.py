@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import signal
@@ -110,7 +111,9 @@ def test_a_skipped_step_leaves_no_nan_in_batchnorm_statistics(tmp_path: Path) ->
     assert math.isfinite(result["summary"]["val_loss"])
 
 
-def test_nonfinite_factor_never_enters_the_running_average(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_nonfinite_factor_never_enters_the_running_average(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     for var in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
     model = torch.nn.Sequential(torch.nn.Linear(3, 2)).double()
@@ -123,6 +126,9 @@ def test_nonfinite_factor_never_enters_the_running_average(monkeypatch: pytest.M
     pre._update_factors({"0/A": pack(good), "0/G": pack(torch.eye(2, dtype=torch.float64))})
     pre._update_factors({"0/A": pack(bad), "0/G": pack(torch.eye(2, dtype=torch.float64))})
     torch.testing.assert_close(pre.factors["0/A"], 0.5 * good)  # the NaN update was left out
+    with caplog.at_level(logging.WARNING):
+        pre._warn_nonfinite()  # reported after the step, read from the device once
+    assert "factor 0/A was non-finite at step 0" in caplog.text and "0/G" not in caplog.text
 
 
 def _start(tmp_path: Path, *extra: str) -> subprocess.Popen[str]:

@@ -132,15 +132,17 @@ def test_kl_clip_scale_hand() -> None:
         (torch.tensor([[0.5]], dtype=DT), torch.tensor([[2.0]], dtype=DT)),  # v.g = 1
     ]
     # lr^2 * sum v.g = 0.01 * 12 = 0.12; sqrt(0.003 / 0.12) = sqrt(0.025)
-    assert kl_clip_scale(pairs, 0.1, 0.003) == pytest.approx(0.15811388300841897, rel=1e-12)
-    assert kl_clip_scale(pairs, 0.1, 1.0) == 1.0  # sqrt(8.33) > 1 is capped
+    assert float(kl_clip_scale(pairs, 0.1, 0.003)) == pytest.approx(0.15811388300841897, rel=1e-12)
+    assert float(kl_clip_scale(pairs, 0.1, 1.0)) == 1.0  # sqrt(8.33) > 1 is capped
     assert kl_clip_scale(pairs, 0.1, 0.0) == 1.0
     assert kl_clip_scale([], 0.1, 0.003) == 1.0
     neg = [(torch.tensor([1.0], dtype=DT), torch.tensor([-1.0], dtype=DT))]
-    assert kl_clip_scale(neg, 0.1, 0.003) == 1.0
+    assert float(kl_clip_scale(neg, 0.1, 0.003)) == 1.0
+    inf = [(torch.tensor([1e308], dtype=DT), torch.tensor([1e308], dtype=DT))]
+    assert float(kl_clip_scale(inf, 0.1, 0.003)) == 1.0  # overflowed: not clipped here (the step is skipped)
     for kl in (1e-6, 1e-3, 0.1, 10.0, 1e6):
         for lr in (1e-3, 0.1, 10.0):
-            assert 0 < kl_clip_scale(pairs, lr, kl) <= 1.0
+            assert 0 < float(kl_clip_scale(pairs, lr, kl)) <= 1.0
 
 
 def test_kl_clip_scale_of_float32_updates_too_large_for_float32() -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
@@ -38,8 +40,10 @@ class Backend(ABC):
     device: torch.device = torch.device("cpu")
     reduces: bool = False
     """Whether :meth:`reduce_async` sums into one rank alone (else it all-reduces: routing gains nothing)."""
-    last_grad_launch: float = 0.0
-    """``perf_counter`` time at which the last gradient all-reduce of this step was launched."""
+    last_grad_launch: Any = 0.0
+    """When the last gradient all-reduce of this step was launched: a :attr:`clock` reading."""
+    clock: Callable[[], Any] = staticmethod(time.perf_counter)
+    """What :attr:`last_grad_launch` is read from (the trainer's :meth:`~kfacflow.timing.StepTimer.mark`)."""
 
     @abstractmethod
     def allreduce_async(self, tensor: Tensor) -> Handle:

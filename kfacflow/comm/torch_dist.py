@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import time
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -25,9 +24,17 @@ logger = logging.getLogger(__name__)
 def pick_device(choice: str, local_rank: int) -> torch.device:
     """Return the device for this worker: CUDA ``local_rank`` when asked for or available, else CPU."""
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        index = local_rank % torch.cuda.device_count()  # more ranks than GPUs share them (gloo only)
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
+
+
+def engine_for(choice: str, device: torch.device) -> str:
+    """torch.distributed's engine for ``dist.engine`` on ``device``: ``auto`` is NCCL on CUDA, gloo on CPU."""
+    if choice != "auto":
+        return choice
+    return "nccl" if device.type == "cuda" else "gloo"
 
 
 P2P_CHUNK_BYTES = 2 * 2**20
@@ -75,7 +82,7 @@ class TorchBackend(Backend):
         self._engine = ""
         self._tag = 0
         if self.world_size > 1:
-            engine = "nccl" if self.device.type == "cuda" else "gloo"
+            engine = engine_for(cfg.engine, self.device)
             timeout = datetime.timedelta(seconds=cfg.timeout_s)
             if self.joined:
                 engine = str(dist.get_backend())
@@ -84,6 +91,8 @@ class TorchBackend(Backend):
             # K-FAC traffic gets its own communicator so it does not queue behind DDP's buckets.
             self._group = dist.new_group(backend=engine, timeout=timeout)
             self._engine = engine
+            # Gloo's point-to-point sends take CPU tensors only: on CUDA, factors stay all-reduced.
+            self.reduces = not (engine == "gloo" and self.device.type == "cuda")
             self._objects = dist.new_group(backend="gloo", timeout=timeout)
             logger.debug("rank %d/%d joined (%s)", self.rank, self.world_size, engine)
 
@@ -142,7 +151,7 @@ class TorchBackend(Backend):
         ddp = DistributedDataParallel(model, device_ids=ids)
 
         def timed_allreduce(state: Any, bucket: Any) -> torch.futures.Future[Tensor]:
-            self.last_grad_launch = time.perf_counter()
+            self.last_grad_launch = self.clock()
             return default_hooks.allreduce_hook(state, bucket)
 
         # DDP compares the hook's annotations with the real classes; postponed (string) annotations

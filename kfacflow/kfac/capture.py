@@ -88,6 +88,11 @@ class _LayerCapture:
         return self.g.value if self.g.parts == 1 else self.g.value * self.examples
 
 
+def _full_precision(t: Tensor) -> torch.autocast:
+    """Autocast off on ``t``'s device: a factor's products are computed in its own dtype, not the forward's."""
+    return torch.autocast(t.device.type, enabled=False)
+
+
 class Capture:
     """Registers the factor hooks on the layers and hands complete factors to ``push``.
 
@@ -102,6 +107,8 @@ class Capture:
         push: Where a complete packed factor goes (``"<layer>/A"`` or ``"<layer>/G"``).
         timer: Stage times and, when tracing, per-layer events.
         accumulate: Micro-batches (forward/backward passes) per step.
+        dtype: What factors are computed, summed and sent in (``kfac.factor_dtype``): activations
+            and output gradients of another dtype (mixed precision) are cast to it first.
     """
 
     def __init__(
@@ -111,8 +118,12 @@ class Capture:
         push: Callable[[str, Tensor], None],
         timer: StepTimer,
         accumulate: int = 1,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         self.layers = layers
+        self.dtype = dtype
+        self.grad_scale: Tensor | None = None
+        """The loss scale of this step's backward pass (fp16 mixed precision): G is of the unscaled gradients."""
         self.factors = factors
         self.push = push
         self.timer = timer
@@ -167,8 +178,8 @@ class Capture:
                     f"{self.uses.get(layer.name, 0)} times in the first; K-FAC needs the same calls every step "
                     f"(add {layer.name!r} to kfac.skip)."
                 )
-            with torch.no_grad(), self.timer.span("FactorComp", f"{layer.name}/A", "factor"):
-                factor, rows = self.factors.a_factor_rows(module, layer.layer_input(x))
+            with torch.no_grad(), _full_precision(x), self.timer.span("FactorComp", f"{layer.name}/A", "factor"):
+                factor, rows = self.factors.a_factor_rows(module, layer.layer_input(x.to(self.dtype)))
                 packed = pack(factor)
             if cap.a is None:
                 cap.a = _Sum(packed, float(rows))
@@ -194,8 +205,12 @@ class Capture:
                 cap.g_calls += 1
                 if layer.name not in self._g_order:
                     self._g_order.append(layer.name)
-                with torch.no_grad(), self.timer.span("FactorComp", f"{layer.name}/G", "factor"):
-                    packed = pack(self.factors.g_factor(module, grad, batch))
+                with torch.no_grad(), _full_precision(grad), self.timer.span("FactorComp", f"{layer.name}/G", "factor"):
+                    # A loss scale is a power of two: dividing by it is exact (G of the unscaled gradients).
+                    unscaled = grad.to(self.dtype)
+                    if isinstance(self.grad_scale, Tensor):
+                        unscaled = unscaled / self.grad_scale
+                    packed = pack(self.factors.g_factor(module, unscaled, batch))
                 if cap.g is None:
                     cap.g = _Sum(packed, 1.0 / batch)
                 else:

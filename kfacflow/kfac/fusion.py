@@ -336,6 +336,8 @@ class Communicator:
 
     def push(self, key: str, packed: Tensor) -> None:
         """Take one local packed factor; launch what the policy says."""
+        if packed.is_cuda and self._measuring:  # a ready time is when the factor is computed, not queued
+            torch.cuda.synchronize(packed.device)
         now = time.perf_counter()
         if self._fresh:
             self._t0, self._fresh = now, False  # the first factor of a step starts the forward clock
@@ -385,8 +387,13 @@ class Communicator:
                     self.reductions += dst is not None
             self.launches += 1
 
+    @property
+    def _measuring(self) -> bool:
+        """Whether this step's ready times are noted (a policy that plans from them, before its plan)."""
+        return bool(self.policy.measure_steps) and self.policy.plan is None
+
     def _note(self, key: str, elements: int, seconds: float) -> None:
-        if not self.policy.measure_steps or self.policy.plan is not None:
+        if not self._measuring:
             return
         if self._measured == 0:  # the first step orders the keys; its times include warm-up
             self._order[int(self._backward)].append((key, elements))

@@ -9,6 +9,7 @@ matrix (Cholesky) and the eigendecomposition.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -188,10 +189,16 @@ def warn_once(message: str) -> None:
         logger.warning("%s (logged once)", message)
 
 
-def _cholesky_with_retries(factor: Tensor, damping: float) -> Tensor | None:
-    """The Cholesky factor of ``factor + damping I``, the damping raised tenfold twice if needed; None if it fails."""
+def _cholesky_with_retries(
+    factor: Tensor, damping: float, factorize: Callable[[Tensor], tuple[Tensor, Tensor]] = torch.linalg.cholesky_ex
+) -> Tensor | None:
+    """The Cholesky factor of ``factor + damping I``, the damping raised tenfold twice if needed; None if it fails.
+
+    ``factorize`` returns the factor of a matrix and its info code (0: positive definite); CuPy's
+    inverse passes cuSOLVER's (:mod:`kfacflow.kfac.cupy_inverse`).
+    """
     for boost in RETRY_BOOSTS:
-        chol, info = torch.linalg.cholesky_ex(_damped(factor, damping * boost))
+        chol, info = factorize(_damped(factor, damping * boost))
         if int(info) == 0:
             if boost != 1:
                 warn_once(f"a factor needed {boost}x damping to be positive definite")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -14,16 +12,22 @@ from kfacflow.registry import PRECONDITIONERS
 def precondition(grad: Tensor, a_inv: Inverse, g_inv: Inverse) -> Tensor:
     """Return ``G^-1 @ grad @ A^-1``, i.e. ``(A kron G)^-1 vec(grad)`` reshaped (column-major vec).
 
+    Computed in the inverses' dtype (``kfac.inverse_dtype``) and returned in the gradient's.
+
     Args:
         grad: The ``(g_dim, a_dim)`` gradient matrix.
         a_inv: Damped inverse of A.
         g_inv: Damped inverse of G.
     """
-    return g_inv.left(a_inv.right(grad))
+    return g_inv.left(a_inv.right(grad.to(a_inv.tensors[0].dtype))).to(grad.dtype)
 
 
-def kl_clip_scale(pairs: list[tuple[Tensor, Tensor]], lr: float, kl_clip: float) -> float:
+def kl_clip_scale(pairs: list[tuple[Tensor, Tensor]], lr: float, kl_clip: float) -> Tensor | float:
     """Return ``min(1, sqrt(kl_clip / (lr^2 sum v.g)))`` over (preconditioned, raw) gradient pairs.
+
+    A float64 tensor on the pairs' device (no read of the device: a GPU's queue is not stalled);
+    1 where clipping is off, where there is nothing to clip, or where ``sum v.g`` is not positive
+    and finite.
 
     Args:
         pairs: ``(v, g)`` per layer.
@@ -33,10 +37,9 @@ def kl_clip_scale(pairs: list[tuple[Tensor, Tensor]], lr: float, kl_clip: float)
     if kl_clip <= 0 or not pairs:
         return 1.0
     # In float64: v . g of float32 tensors overflows to inf long before the step is too large to clip.
-    vg = sum(float(torch.sum(v.to(torch.float64) * g.to(torch.float64))) for v, g in pairs) * lr * lr
-    if vg <= 0 or not math.isfinite(vg):
-        return 1.0
-    return min(1.0, math.sqrt(kl_clip / vg))
+    vg = torch.stack([torch.sum(v.to(torch.float64) * g.to(torch.float64)) for v, g in pairs]).sum() * (lr * lr)
+    usable = (vg > 0) & torch.isfinite(vg)
+    return torch.where(usable, torch.sqrt(kl_clip / vg).clamp(max=1.0), torch.ones_like(vg))
 
 
 class KFACPrecondition:
@@ -63,10 +66,10 @@ class KFACPrecondition:
     def finish(self, updates: list[Tensor], grads: list[Tensor], lr: float) -> list[Tensor]:
         """Scale every layer's update by the KL clipping factor of them all."""
         scale = kl_clip_scale(list(zip(updates, grads, strict=True)), lr, self.kl_clip)
-        if scale != 1.0:
-            with torch.no_grad():
-                updates = [u * scale for u in updates]
-        return updates
+        if isinstance(scale, float):
+            return updates
+        with torch.no_grad():  # x * 1 == x exactly: an unclipped step keeps its bits
+            return [u * scale.to(u.dtype) for u in updates]
 
 
 PRECONDITIONERS.add("kfac", KFACPrecondition, "G^-1 grad A^-1 per layer, then KL clipping of the update")

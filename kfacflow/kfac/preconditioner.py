@@ -39,6 +39,18 @@ class _Send:
     keep: bool
 
 
+def dtypes(cfg: KFACConfig, parameters: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+    """Return the factors' dtype and the inverses' (``kfac.factor_dtype``, ``kfac.inverse_dtype``).
+
+    ``auto``: factors in the parameters' dtype (float32 under mixed precision, whose activations are
+    cast up), inverses in the factors' and at least float32 (half-precision Cholesky is not offered).
+    """
+    factor = parameters if cfg.factor_dtype == "auto" else getattr(torch, cfg.factor_dtype)
+    if cfg.inverse_dtype == "auto":
+        return factor, torch.promote_types(factor, torch.float32)
+    return factor, getattr(torch, cfg.inverse_dtype)
+
+
 class KFACPreconditioner:
     """Preconditions the gradients of a model's Linear and Conv2d layers with K-FAC.
 
@@ -75,15 +87,17 @@ class KFACPreconditioner:
         self.stages = stages
         self.backend = backend
         self.profile = profile
-        self.timer = timer or StepTimer(backend.device)
+        # Without a training loop's timer nothing closes a step: time nothing (no spans, no CUDA events).
+        self.timer = timer or StepTimer(backend.device, enabled=False)
         self.layers: list[KFACLayer] = find_layers(model, list(cfg.skip))
         if not self.layers:
             raise UserError(
                 "kfac: the model has no Linear or Conv2d layer K-FAC can precondition "
                 "(check kfac.skip, or use kfac.variant=sgd)."
             )
+        self.factor_dtype, self.inverse_dtype = dtypes(cfg, next(self.layers[0].module.parameters()).dtype)
         self.comm = Communicator(backend, stages.fusion, self.timer)
-        self.capture = Capture(self.layers, stages.factor, self.comm.push, self.timer, accumulate)
+        self.capture = Capture(self.layers, stages.factor, self.comm.push, self.timer, accumulate, self.factor_dtype)
         self._root_hook = model.register_forward_hook(lambda module, inputs, output: self._forward_done(module))
         self.steps = 0
         self._gradients: GradientAllreduce | None = None
@@ -92,6 +106,8 @@ class KFACPreconditioner:
         self.inverses: dict[str, Inverse] = {}
         self.held: set[str] | None = None
         """With ``kfac.factor_sync=owner``: the factors whose running averages this rank keeps."""
+        self._finite: list[tuple[str, int, Tensor]] = []
+        """Whether each factor averaged since the last step was finite (key, step, flag on the device)."""
         self._plan()
         logger.info(
             "K-FAC on %d layers (%s, %s, %s); largest factor %d; %d of %d inverses on every rank",
@@ -177,6 +193,14 @@ class KFACPreconditioner:
         """Who inverts each factor, in the order of :attr:`keys`."""
         return [slot.owner for slot in self.slots]
 
+    grad_scaler: Any = None
+    """The ``torch.amp.GradScaler`` of a float16 loss (mixed precision), or ``None``.
+
+    At the end of each forward pass its current scale is handed to the G hooks (on the device,
+    not read), so G is of the unscaled output gradients. The gradients themselves must be
+    unscaled (``scaler.unscale_(optimizer)``) before :meth:`step`.
+    """
+
     # --- stage: factor (hooks in kfacflow.kfac.capture) ------------------------------------------------
 
     def _updates_factors(self) -> bool:
@@ -184,6 +208,8 @@ class KFACPreconditioner:
 
     def _forward_done(self, model: nn.Module) -> None:
         if model.training and torch.is_grad_enabled():
+            if self.grad_scaler is not None:  # the scale this forward's loss will be multiplied by
+                self.capture.grad_scale = self.grad_scaler.scale(torch.ones((), device=self.backend.device))
             self.end_forward()
 
     def end_forward(self) -> None:
@@ -205,6 +231,7 @@ class KFACPreconditioner:
             gradients: This step's gradient all-reduce when it is deferred (``kfac.grad_sync=deferred``):
                 launched once the factors are, waited for to precondition.
         """
+        self._warn_nonfinite()  # the last step's factors: the device finished them long ago
         self._gradients = gradients
         inverting = self.steps % self.cfg.inv_update_freq == 0
         arrivals = self._arrivals() if self._updates_factors() else iter(())
@@ -273,14 +300,24 @@ class KFACPreconditioner:
                 if key not in averaged or (self.held is not None and key not in self.held):
                     continue  # the layer did not run this step (its average stays), or another rank keeps it
                 new, old = averaged[key], self.running.get(key)
-                if not bool(torch.isfinite(new.sum())):  # a sum is non-finite when an element is
-                    # Never blend a non-finite factor into the running average; start one from zero.
-                    warn_once(f"factor {key} was non-finite at step {self.steps}; it was left out")
-                    if old is None:
-                        self.running[key] = torch.zeros_like(new)
-                    continue
-                # A received factor may be a view of the fused communication buffer: copy it.
-                self.running[key] = new.clone() if old is None else old.mul_(decay).add_(new, alpha=1 - decay)
+                # Never blend a non-finite factor into the running average (a sum is non-finite when an
+                # element is); decided on the device, reported after the step (no read of the device here).
+                finite = torch.isfinite(new.sum())
+                self._finite.append((key, self.steps, finite))
+                if old is None:  # start from zero instead (where() copies: new may view the fused buffer)
+                    self.running[key] = torch.where(finite, new, 0.0)
+                else:  # a non-finite factor blends the average with itself: unchanged to round-off
+                    blend = torch.where(finite, new, old)  # before old changes
+                    old.mul_(decay).add_(blend, alpha=1 - decay)
+
+    def _warn_nonfinite(self) -> None:
+        """Warn about the factors left out of their running averages since the last call (one read of the device)."""
+        checks, self._finite = self._finite, []
+        if not checks or bool(torch.stack([finite for _, _, finite in checks]).all()):
+            return
+        for key, step, finite in checks:
+            if not bool(finite):
+                warn_once(f"factor {key} was non-finite at step {step}; it was left out")
 
     @property
     def factors(self) -> dict[str, Tensor]:
@@ -332,7 +369,8 @@ class KFACPreconditioner:
         with torch.no_grad():
             if mine:
                 with self.timer.span("InverseComp", slot.key, "inverse"):
-                    inverse = self.stages.invert(unpack(self.running[slot.key], slot.dim), self.cfg.damping)
+                    factor = unpack(self.running[slot.key], slot.dim).to(self.inverse_dtype)
+                    inverse = self.stages.invert(factor, self.cfg.damping)
                 self.inverses[slot.key] = inverse
                 if slot.owner == EVERY_RANK or self.stages.broadcast.update:
                     return None
@@ -343,7 +381,7 @@ class KFACPreconditioner:
                         flat = inverse.to_flat()
                         keep = self.stages.broadcast.owner_keeps and inverse.round_trip_exact()
             else:
-                flat = self.running[slot.key].new_empty(slot.flat_size)
+                flat = torch.empty(slot.flat_size, dtype=self.inverse_dtype, device=self.running[slot.key].device)
             with self.timer.span("InverseComm"):
                 handle = self.backend.broadcast_async(flat, slot.owner)
         self.timer.on_done(handle, f"{slot.key} from {slot.owner}", "broadcast")
