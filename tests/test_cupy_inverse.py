@@ -263,6 +263,7 @@ def test_the_retries_and_the_eigen_fallback_are_choleskys(fake: FakeCusolver) ->
 # --- on a CUDA device, with CuPy ---------------------------------------------------------------------
 
 
+@pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("d", SIZES)
 def test_cuda_cupy_matches_cholesky(d: int) -> None:
@@ -275,6 +276,7 @@ def test_cuda_cupy_matches_cholesky(d: int) -> None:
     assert torch.equal(inv.matrix, inv.matrix.T)
 
 
+@pytest.mark.cuda
 @needs_cuda
 def test_cuda_cupy_float64_and_retries_match_cholesky() -> None:
     f = spd(64, 3, torch.float64, "cuda")
@@ -286,6 +288,7 @@ def test_cuda_cupy_float64_and_retries_match_cholesky() -> None:
         assert rel(cupy_cholesky(g, 1e-3).dense(), cholesky_inverse(g, 1e-3).dense()) < 1e-10
 
 
+@pytest.mark.cuda
 @needs_cuda
 def test_cuda_cupy_shares_memory_without_copies() -> None:
     cu = cupy_inverse._import()
@@ -296,6 +299,7 @@ def test_cuda_cupy_shares_memory_without_copies() -> None:
     assert isinstance(inv, DenseInverse) and inv.matrix.device == f.device and inv.matrix.is_contiguous()
 
 
+@pytest.mark.cuda
 @needs_cuda
 def test_cuda_cupy_runs_on_a_non_default_stream() -> None:
     cu = cupy_inverse._import()

@@ -41,6 +41,7 @@ def test_two_ranks_on_one_gpu_need_gloo(monkeypatch: pytest.MonkeyPatch) -> None
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+@pytest.mark.cuda
 @needs_cuda
 def test_cuda_two_ranks_over_gloo_d_equals_spd(tmp_path: Path) -> None:
     # Two ranks on one GPU (NCCL would refuse): gloo carries the CUDA tensors; float64 as the CPU tests.

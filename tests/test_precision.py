@@ -152,6 +152,7 @@ def test_timing_off_keeps_only_the_step_time(tmp_path: Path) -> None:
     assert set(timer.end_step()) == {"total"}
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_spans_are_timed_by_events_without_synchronizing() -> None:
     device = torch.device("cuda")

@@ -3,7 +3,7 @@
     python tools/gpu_check.py --out runs/gpu_check            # on a machine with one CUDA GPU
     python tools/gpu_check.py --out /tmp/g --device cpu --image-size 32 --steps 4 --no-tests   # the tool itself, on CPU
 
-1. The CUDA-only tests (``pytest -k cuda``: events timing without synchronizing, ``cupy_cholesky`` =
+1. The CUDA-only tests (``pytest -m cuda``: events timing without synchronizing, ``cupy_cholesky`` =
    ``cholesky`` to float32 round-off, D-KFAC = SPD-KFAC with two ranks over gloo on CUDA tensors).
 2. The quickstart on one rank (CUDA), and on two ranks over gloo on CUDA tensors (one GPU).
 3. ResNet-50, 224 px, batch 32, on one rank: SGD, D-KFAC and SPD-KFAC, each with bf16 autocast off
@@ -160,7 +160,7 @@ def main() -> int:
     if args.no_tests:
         result["tests"] = {"summary": "not run (--no-tests)"}
     else:
-        code, tail, wall = run([sys.executable, "-m", "pytest", "-q", "-k", "cuda", "-p", "no:cacheprovider"], 300)
+        code, tail, wall = run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider"], 300)
         last = [line for line in tail.splitlines() if re.search(r"\d+ (passed|failed|skipped)", line)]
         result["tests"] = {"exit": code, "summary": last[-1] if last else tail[-300:], "wall_s": round(wall, 1)}
         print(f"  {result['tests']['summary']}")
