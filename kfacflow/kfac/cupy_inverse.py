@@ -77,9 +77,9 @@ def _on_torch_stream(cu: _CuPy, device: torch.device) -> Iterator[int]:
     that produced the factor and before those that read the inverse, whatever CuPy's handle had.
     """
     cp, current = cu.cupy, torch.cuda.current_stream(device)
-    if hasattr(cp.cuda.Stream, "from_external"):  # CuPy >= 14, where ExternalStream is deprecated
+    try:  # CuPy >= 14 (where ExternalStream is deprecated) takes torch's stream by its __cuda_stream__
         stream = cp.cuda.Stream.from_external(current)
-    else:
+    except (AttributeError, TypeError):
         stream = cp.cuda.ExternalStream(current.cuda_stream, device.index)
     with torch.cuda.device(device), cp.cuda.Device(device.index), stream:
         handle = cp.cuda.device.get_cusolver_handle()
