@@ -91,7 +91,8 @@ def check(cfg: DictConfig) -> None:
     ):
         if name is not None:
             reg.get(name)
-    check_stages(resolve(k))
+    names = resolve(k)
+    check_stages(names)
     check_name(cfg.model.name)
     if k.profile:
         for method in Profile.load(k.profile).methods:  # a misspelt method would silently use the default model
@@ -109,7 +110,6 @@ def check(cfg: DictConfig) -> None:
             )
     if cfg.dist.backend == "horovod":
         _check_horovod(cfg.launch.nproc)
-        names = resolve(k)
         if names.preconditioned and registry.GRAD_SYNCS.get(names.grad_sync).deferred:
             raise UserError(
                 f"kfac.grad_sync=deferred (kfac.variant={k.variant}) needs dist.backend=torch: Horovod's optimizer "
@@ -117,7 +117,7 @@ def check(cfg: DictConfig) -> None:
             )
     if cfg.dist.device == "cuda" and not torch.cuda.is_available():
         raise UserError("dist.device=cuda but no CUDA device is visible; use dist.device=auto or cpu.")
-    check_device(resolve(k), cfg.dist.device)
+    check_device(names, cfg.dist.device)
     _check_engine(cfg)
 
 
@@ -125,7 +125,7 @@ def _check_engine(cfg: DictConfig) -> None:
     """NCCL needs CUDA, and a GPU of its own for every rank of a machine."""
     if cfg.dist.backend != "torch" or cfg.dist.engine == "gloo":
         return
-    cuda = cfg.dist.device == "cuda" or (cfg.dist.device == "auto" and torch.cuda.is_available())
+    cuda = _device_type(cfg.dist.device) == "cuda"
     if cfg.dist.engine == "nccl" and not cuda:
         raise UserError("dist.engine=nccl needs CUDA tensors, but this run's device is the CPU; use dist.engine=auto.")
     gpus = torch.cuda.device_count() if cuda else 0
@@ -163,9 +163,14 @@ def check_device(names: Stages, device: str | torch.device) -> None:
     from kfacflow.kfac import cupy_inverse  # a plugin: registering it is load_plugins' work, not this import's
 
     if names.preconditioned and names.inverse == cupy_inverse.NAME:
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        cupy_inverse.check_usable(device)
+        cupy_inverse.check_usable(_device_type(device))
+
+
+def _device_type(choice: str | torch.device) -> str:
+    """The device type a worker picks for ``dist.device`` (``auto``: CUDA where it is available)."""
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(choice).type
 
 
 def _check_horovod(nproc: int) -> None:
