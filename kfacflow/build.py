@@ -112,8 +112,8 @@ def check(cfg: DictConfig) -> None:
         _check_horovod(cfg.launch.nproc)
         if names.preconditioned and registry.GRAD_SYNCS.get(names.grad_sync).deferred:
             raise UserError(
-                f"kfac.grad_sync=deferred (kfac.variant={k.variant}) needs dist.backend=torch: Horovod's optimizer "
-                "averages gradients in the backward pass; set kfac.grad_sync=overlap."
+                f"kfac.grad_sync={names.grad_sync} (kfac.variant={k.variant}) needs dist.backend=torch: Horovod's "
+                "optimizer averages gradients in the backward pass; set kfac.grad_sync=overlap."
             )
     if cfg.dist.device == "cuda" and not torch.cuda.is_available():
         raise UserError("dist.device=cuda but no CUDA device is visible; use dist.device=auto or cpu.")
@@ -151,6 +151,16 @@ def check_stages(names: Stages) -> None:
             f"kfac.factor_sync={names.factor_sync} leaves each factor on its owner alone, but "
             f"kfac.broadcast={names.broadcast} sends inverses that every rank applies; set kfac.broadcast=update "
             "or fused_update, or kfac.factor_sync=allreduce."
+        )
+    if (
+        names.preconditioned
+        and registry.GRAD_SYNCS.get(names.grad_sync).to_owner
+        and not registry.BROADCASTS.get(names.broadcast).update
+    ):
+        raise UserError(
+            f"kfac.grad_sync={names.grad_sync} leaves each layer's gradients on its owner alone, but "
+            f"kfac.broadcast={names.broadcast} has every rank precondition every layer; set kfac.broadcast=update "
+            "or fused_update, or kfac.grad_sync=deferred."
         )
 
 
@@ -246,6 +256,7 @@ def stages(cfg: KFACConfig, names: Stages, profile: Profile | None) -> StageSet:
         pipeline=registry.PIPELINES.get(names.pipeline),
         broadcast=registry.BROADCASTS.get(names.broadcast),
         factor_sync=registry.FACTOR_SYNCS.get(names.factor_sync),
+        grad_sync=registry.GRAD_SYNCS.get(names.grad_sync),
     )
 
 

@@ -240,7 +240,8 @@ class KFACConfig:
     """What an owner sends (an inverse, or a layer's update) and how it holds it (`--list broadcast`); empty
     takes the variant's."""
     grad_sync: Optional[str] = None
-    """When gradients are all-reduced (`--list grad_sync`): in backward, or behind the inversions; empty takes
+    """When and where gradients are summed (`--list grad_sync`): in backward, behind the inversions, or there on
+    each layer's owner alone; empty takes
     the variant's."""
     factor_sync: Optional[str] = None
     """Where factors are summed (`--list factor_sync`): on every rank, or on each factor's owner alone; empty

@@ -11,11 +11,15 @@ With ``kfac.broadcast=update`` no inverse travels: each rank inverts and precond
 layers it owns, and their updates are broadcast in the shared layer order (``fused_update``:
 small ones summed in buckets, one all-reduce each); with ``kfac.factor_sync=owner`` the factors
 are reduced to their owners (:class:`~kfacflow.kfac.fusion.Routing`), and between two ranks a
-reduction takes one direction of the link, so reductions into different ranks overlap.
+reduction takes one direction of the link, so reductions into different ranks overlap; from
+three ranks on, a group, the gradients (``kfac.grad_sync=owner``) and a bucket of updates may
+go to or from several owners at once where the trainer's rule says so (the same functions).
 Communication is re-scaled from the profile's world size to P with the ring model: an
 all-reduce of m elements costs 2(P-1) start-ups and 2(P-1)/P m elements per worker, a broadcast
 (NCCL's pipelined ring) P-1 start-ups and m elements, and so does a reduction (a broadcast
-reversed). Compute per worker does not change with P.
+reversed); pieces to or from several owners twice a broadcast's start-ups,
+(P-1)/P m elements and the largest piece (:func:`kfacflow.comm.scatter.cost`). Compute per
+worker does not change with P.
 """
 
 from __future__ import annotations
@@ -24,10 +28,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kfacflow import registry
+from kfacflow.comm import scatter
 from kfacflow.kfac import inverse, overlap  # noqa: F401  (they register the entries looked up below)
-from kfacflow.kfac.fusion import Ready, Routing, estimated_arrivals, plan_launches
+from kfacflow.kfac.fusion import SCATTER, Ready, Routing, estimated_arrivals, plan_launches
 from kfacflow.kfac.packing import packed_size
-from kfacflow.kfac.placement import EVERY_RANK, by_layer, layer_order, schedule, update_buckets
+from kfacflow.kfac.placement import EVERY_RANK, bucket_cost, by_layer, layer_order, schedule, update_buckets
 from kfacflow.kfac.stages import FusionOptions
 from kfacflow.kfac.variants import Stages
 from kfacflow.perf import LinearModel, Profile
@@ -152,7 +157,7 @@ def simulate(
     to_owner = workers > 1 and registry.FACTOR_SYNCS.get(stages.factor_sync).to_owner
     owners = update_owners(rows, prof, workers, stages) if registry.BROADCASTS.get(stages.broadcast).update else None
     owner = dict(zip(_keys(rows), owners, strict=True)) if to_owner and owners is not None else {}
-    routing = Routing(owner, workers, prof.allreduce, prof.broadcast)
+    routing = Routing(owner, workers, prof.allreduce, prof.broadcast, scatters=True)
     ops: list[tuple[float, int, int, list[str], int | None]] = [
         (at, 0, sum(elements[k] for k in part), part, dst)
         for at, keys in launches
@@ -166,6 +171,8 @@ def simulate(
             end = at
         elif dst is None:
             end = link.send(at, prof.allreduce(m))
+        elif dst == SCATTER:
+            end = link.send(at, scatter.cost(prof.broadcast, _per_rank(keys, owner, elements, workers)))
         else:
             end = link.send(at, prof.broadcast(m), dst if workers == 2 else None)
         if kind < 0:
@@ -174,13 +181,17 @@ def simulate(
             arrival[k] = end
     grad_comm = 0.0 if deferred else max(0.0, grads_done - t_bwd)
     start = t_bwd + grad_comm  # DDP's backward returns when its buckets are averaged
+    routed = routed_gradients(rows, prof, workers, stages, owners) if deferred else None
     if deferred:  # posted after the last factor, so they queue behind every one of them
         grads_done = start
+        if routed is not None:  # one reduction to the owners; the rest all-reduced in buckets
+            grads_done = link.send(max(start, link.free), scatter.cost(prof.broadcast, routed))
+            grads = _buckets(sum(r["params"] for j, r in enumerate(rows) if owners and owners[2 * j] == EVERY_RANK))
         for _, m in grads:
             grads_done = link.send(max(start, link.free), prof.allreduce(m))
     groups = [[(k, elements[k]) for k in keys] for _, keys in launches]
     expected = estimated_arrivals(groups, prof.allreduce)
-    backward_pass = _Backward(arrival, start, grads_done, grad_comm, link, expected, owners)
+    backward_pass = _Backward(arrival, start, grads_done, grad_comm, link, expected, owners, routed is not None)
     return _inverse_phase(rows, measured, prof, workers, stages, use_measured, backward_pass, hooks, ffbp)
 
 
@@ -201,6 +212,8 @@ class _Backward:
     """When each factor is expected (what the trainer orders an arrival pipeline's inversions by)."""
     owners: list[int] | None = None
     """With ``kfac.broadcast=update``: who inverts each factor (whole layers), A1, G1, A2, G2, ..."""
+    routed: bool = False
+    """Whether the gradients went to their owners alone (who then send the KL clipping's ``v.g``)."""
 
 
 def _inverse_phase(
@@ -365,13 +378,20 @@ def _update_phase(
         if owner != EVERY_RANK:
             done[j] = ranks[owner].t
     if registry.BROADCASTS.get(stages.broadcast).fused:
-        buckets = update_buckets(order, sizes[::2], owners[::2], prof)
+        buckets = update_buckets(order, sizes[::2], owners[::2], prof, workers, gather=True)
         sends = [
-            (max(done[j] for j in b), (prof.allreduce if len(b) > 1 else prof.broadcast)(sum(sizes[2 * j] for j in b)))
+            (
+                max(done[j] for j in b),
+                bucket_cost(b, sizes[::2], owners[::2], prof, workers, gather=True)
+                if len(b) > 1
+                else prof.broadcast(sizes[2 * b[0]]),
+            )
             for b in buckets
         ]
     else:
         sends = [(t, prof.broadcast(sizes[2 * j])) for j, t in done.items()]
+    if bwd.routed and sends:  # each owned layer's v.g (float64: two elements), after the updates
+        sends.append((max(t for t, _ in sends), prof.allreduce(2 * len(done))))
     ends = [bwd.link.send(t, seconds) if workers > 1 else t for t, seconds in sends]
     for rank in ranks:
         rank.wait(max(ends, default=0.0), "InverseComm")
@@ -381,6 +401,35 @@ def _update_phase(
 def _keys(rows: list[dict[str, Any]]) -> list[str]:
     """The factors' keys, A1, G1, A2, G2, ..."""
     return [f"{r['name']}/{side}" for r in rows for side in ("A", "G")]
+
+
+def routed_gradients(
+    rows: list[dict[str, Any]], prof: Profile, workers: int, stages: Stages, owners: list[int] | None
+) -> list[int] | None:
+    """The gradient elements each rank receives alone with ``kfac.grad_sync=owner`` (``None``: all all-reduced).
+
+    The trainer's rule (:meth:`~kfacflow.kfac.preconditioner.KFACPreconditioner._route_gradients`).
+    """
+    if owners is None or not registry.GRAD_SYNCS.get(stages.grad_sync).to_owner:
+        return None
+    counts = [0] * workers
+    for j, r in enumerate(rows):
+        if owners[2 * j] != EVERY_RANK:
+            counts[owners[2 * j]] += r["params"]
+    return counts if scatter.pays(prof.allreduce, prof.broadcast, counts) else None
+
+
+def _buckets(elements: int) -> list[tuple[float, int]]:
+    """``elements`` of gradients in DDP-sized buckets (their times unused)."""
+    return [(0.0, min(BUCKET_ELEMENTS, elements - i)) for i in range(0, elements, BUCKET_ELEMENTS)]
+
+
+def _per_rank(keys: list[str], owner: dict[str, int], elements: dict[str, int], workers: int) -> list[int]:
+    """Elements of ``keys`` each rank owns."""
+    counts = [0] * workers
+    for k in keys:
+        counts[owner[k]] += elements[k]
+    return counts
 
 
 def update_owners(rows: list[dict[str, Any]], prof: Profile, workers: int, stages: Stages) -> list[int]:

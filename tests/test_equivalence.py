@@ -157,6 +157,25 @@ def test_cases_really_differ(equivalence_runs: dict[tuple[str, int], Any]) -> No
         assert diff > 1e-8, f"cholesky and {other} gave the same parameters"
 
 
+def test_three_workers_with_pieces_to_owners_equal_one_worker(tmp_path: Path) -> None:
+    """flow at P = 3 where factors, gradients and updates go to and from several owners at once."""
+    profile = tmp_path / "cheap_pieces.yaml"  # two broadcast start-ups cost less than one all-reduce's
+    profile.write_text(
+        "allreduce: {alpha: 1.0e-3, beta: 1.0e-9}\nbroadcast: {alpha: 1.0e-4, beta: 1.0e-10}\n"
+        "inverse: {kind: cubic, alpha: 1.0e-5, beta: 1.0e-9}\nmeta: {world_size: 3}\n"
+    )
+    flow = ["kfac.variant=flow", f"kfac.profile={profile}"]
+    sizes = {3: ["launch.nproc=3", f"data.batch_size={BATCH}"], 1: ["launch.nproc=1", f"data.batch_size={3 * BATCH}"]}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        runs = {n: pool.submit(run_cli, *_common(tmp_path / str(n)), *size, *flow) for n, size in sizes.items()}
+        three, one = (_final_checkpoint(runs[n].result()) for n in (3, 1))
+    assert "the gradients of" in runs[3].result().stderr, "nothing went to the owners alone"
+    assert three["world_size"] == 3
+    _assert_same(three["model"], one["model"], "model")
+    _assert_same(three["kfac"]["factors"], one["kfac"]["factors"], "factor")
+    _assert_same(_dense_inverses(three["kfac"]), _dense_inverses(one["kfac"]), "inverse")
+
+
 # --- inside a real 2-process gloo group ------------------------------------------------------
 
 GLOO_STEPS = 3

@@ -5,7 +5,17 @@ from __future__ import annotations
 import pytest
 
 from kfacflow import UserError
-from kfacflow.kfac.placement import EVERY_RANK, by_layer, layer, layer_order, lbp, local, round_robin, update_buckets
+from kfacflow.kfac.placement import (
+    EVERY_RANK,
+    by_layer,
+    gathers,
+    layer,
+    layer_order,
+    lbp,
+    local,
+    round_robin,
+    update_buckets,
+)
 from kfacflow.perf import InverseModel, LinearModel, Profile
 
 
@@ -139,3 +149,10 @@ def test_update_buckets_fuse_only_where_one_allreduce_beats_the_broadcasts() -> 
     # Start-ups cheap next to the all-reduce's doubled traffic (3.2 s against 4 x 0.2 + 1.1 s): each layer alone.
     assert update_buckets(order, elements, owners, models((1.0, 2e-3), (0.2, 1e-3))) == [[0], [1], [2], [4]]
     assert update_buckets(order, elements, owners, None) == [[0], [1], [2], [4]]
+    # P = 3, layer 4 on rank 2. Broadcasts (4 x 0.25 + 1.1 s) cost what the all-reduce does (2.1 s): each
+    # alone. Gathered from the owners (400, 200, 500 elements): 0.5 + 0.001 (1100 x 2/3 + 500) = 1.73 s.
+    three, owned = models((1.0, 1e-3), (0.25, 1e-3)), [0, 1, 0, EVERY_RANK, 2]
+    assert update_buckets(order, elements, owned, three, 3) == [[0], [1], [2], [4]]
+    assert update_buckets(order, elements, owned, three, 3, gather=True) == [[0, 1, 2, 4]]
+    assert gathers([0, 1, 2, 4], elements, owned, three, 3)
+    assert not gathers([0, 1, 2, 4], elements, owners, models((1.0, 1e-3), (0.0, 0.0)), 2)  # never at P = 2

@@ -21,7 +21,7 @@ from kfacflow.kfac.inverse import Inverse
 from kfacflow.kfac.placement import EVERY_RANK
 from kfacflow.kfac.variants import resolve
 from kfacflow.perf import InverseModel, LinearModel, Profile
-from kfacflow.registry import COMMUNICATORS, INVERSES, PLACEMENTS
+from kfacflow.registry import COMMUNICATORS, GRAD_SYNCS, INVERSES, PLACEMENTS
 
 FUSIONS = COMMUNICATORS.names()
 PLACES = PLACEMENTS.names()
@@ -93,7 +93,7 @@ def train(backend: TorchBackend, combo: tuple[str, ...], profile: Profile | None
     pre = build.preconditioner(model, cfg, backend, profile)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for x, y in batches(backend.world_size, backend.rank):
-        deferred = grad_sync == "deferred"
+        deferred = GRAD_SYNCS.get(grad_sync).deferred
         with backend.no_sync(net) if deferred else nullcontext():
             out = net(x)
             pre.end_forward()
@@ -118,6 +118,9 @@ def train(backend: TorchBackend, combo: tuple[str, ...], profile: Profile | None
         "plan": getattr(pre.comm, "plan", None),
         "buckets": list(pre.update_buckets.values()),
         "reductions": pre.comm.reductions,
+        "scattered": pre.comm.scattered,
+        "gathered": sorted(pre.gathered),
+        "grads_routed": [len(ps) for ps in pre.grad_owned],
     }
 
 
@@ -168,14 +171,28 @@ MIXED_PROFILE = Profile(
     broadcast=LinearModel(alpha=5e-4, beta=0.0),
     inverse=InverseModel("cubic", 0.0, 1e-6),
 )
-UPDATES: list[tuple[str, ...]] = [*UPDATE_ONLY, *FUSED, *OWNED]
+# From three ranks on, pieces to and from several owners at once: factor groups of three owners
+# reduced to them in one reduce-scatter and all-to-all, the gradients of owned layers reduced to
+# their owners (who send v.g for the KL clipping), the three updates gathered from their owners.
+ROUTED = [
+    ("optimal", "layer", "cholesky_factor", pipeline, "fused_update", "owner", "owner")
+    for pipeline in ("barrier", "arrival")
+] + [("naive", "layer", "eigen", "arrival", "fused_update", "owner", "owner")]
+# Two start-ups of a broadcast cost less than an all-reduce's one, or than three broadcasts.
+ROUTED_PROFILE = Profile(
+    allreduce=LinearModel(alpha=1e-3, beta=1e-9),
+    broadcast=LinearModel(alpha=1e-4, beta=0.0),
+    inverse=InverseModel("cubic", 0.0, 1e-6),
+)
+UPDATES: list[tuple[str, ...]] = [*UPDATE_ONLY, *FUSED, *OWNED, *ROUTED]
 
 
 def all_combinations(rank: int, world: int) -> dict[tuple[str, ...], dict[str, Any]]:
     backend = TorchBackend(DistConfig(device="cpu"))
     try:
         combos: list[tuple[str, ...]] = [*itertools.product(FUSIONS, PLACES, INVS), *OVERLAPS, *UPDATES]
-        return {combo: train(backend, combo, MIXED_PROFILE if combo == OWNED_LBP else None) for combo in combos}
+        profiles: dict[tuple[str, ...], Profile] = {OWNED_LBP: MIXED_PROFILE, **dict.fromkeys(ROUTED, ROUTED_PROFILE)}
+        return {combo: train(backend, combo, profiles.get(combo)) for combo in combos}
     finally:
         backend.close()
 
@@ -210,12 +227,16 @@ def test_every_stage_combination_gives_the_same_parameters(world: int) -> None:
                 for key, tensors in got["saved"].items():
                     for a, b in zip(tensors, results[0][combo]["saved"][key], strict=True):
                         assert torch.equal(a, b), f"{combo} {key} rank {rank}"
-            if combo in OWNED:  # only the owner keeps a running average; the checkpoint has its bits
+            if combo in OWNED or combo in ROUTED:  # only the owner keeps a running average; the checkpoint has its bits
                 mine = {k for k, o in zip(got["keys"], got["owners"], strict=True) if o in (EVERY_RANK, rank)}
                 assert set(got["running"]) == mine, f"{combo} rank {rank} averages {got['running']}"
-                assert got["reductions"] > 0, f"{combo}: nothing was reduced to an owner"
+                assert got["reductions"] + got["scattered"] > 0, f"{combo}: nothing was reduced to an owner"
                 for key, factor in got["factors"].items():
                     assert torch.equal(factor, results[0][combo]["factors"][key]), f"{combo} {key} rank {rank}"
+            if combo in ROUTED:  # at P = 2 nothing pays: the owned path, gradients all-reduced
+                assert (got["scattered"] > 0) == (world == 3), f"{combo}: {got['scattered']} groups scattered"
+                assert bool(got["gathered"]) == (world == 3), f"{combo}: buckets gathered {got['gathered']}"
+                assert (got["grads_routed"] == [2, 2, 2]) == (world == 3), f"{combo}: {got['grads_routed']}"
             if combo in FUSED:
                 assert [len(b) for b in got["buckets"]] == [3], f"{combo}: buckets {got['buckets']}"
                 if combo[1] == "layer":  # round robin pairs every layer on rank 0 at P = 2
@@ -252,3 +273,8 @@ def test_factors_go_to_owners_only_where_no_inverse_is_sent() -> None:
     names = resolve(KFACConfig(variant="spd", factor_sync="owner"))
     with pytest.raises(UserError, match=r"kfac.factor_sync=owner .* kfac.broadcast=packed .* kfac.broadcast=update"):
         build.check_stages(names)
+    # So do the gradients: to their owners in flow, all-reduced behind the factors with a broadcast of inverses.
+    assert resolve(KFACConfig(variant="flow")).grad_sync == "owner"
+    assert resolve(KFACConfig(variant="flow", broadcast="packed")).grad_sync == "deferred"
+    with pytest.raises(UserError, match=r"kfac.grad_sync=owner .* kfac.broadcast=packed .* kfac.grad_sync=deferred"):
+        build.check_stages(resolve(KFACConfig(variant="spd", grad_sync="owner")))

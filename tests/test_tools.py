@@ -282,6 +282,35 @@ def test_simulated_reductions_to_owners_match_hand_computation() -> None:
     assert link.allreduce(25) > 0.45
 
 
+def test_simulated_pieces_to_and_from_owners_use_their_models(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kfacflow.perf import InverseModel, LinearModel, Profile
+
+    prof = Profile(LinearModel(1.0, 0.01), LinearModel(0.2, 0.01), InverseModel("cubic", 0.0, 0.1), {"world_size": 2})
+    layers = _hand_layers()
+    layers["layers"].append(dict(layers["layers"][0], name="l3", a_dim=3, g_dim=3, params=12))
+    sent: list[float] = []
+    send = simulation.Link.send
+
+    def record(link: simulation.Link, at: float, seconds: float, into: int | None = None) -> float:
+        sent.append(seconds)
+        return send(link, at, seconds, into)
+
+    monkeypatch.setattr(simulation.Link, "send", record)
+    flow = _stages("after_backward", "layer", "arrival", "fused_update", "owner", "owner")
+    # At P = 3 an all-reduce costs 2 + 0.0133 s/element, a broadcast or reduction 0.4 + 0.01 s/element.
+    # The layer placement gives l2 to rank 0, l3 to rank 1, l1 to rank 2. Their 9 + 16 + 12 packed
+    # factors go to their owners in two steps: 0.8 + 0.01 (37 x 2/3 + 16) s, against 3 reductions
+    # (1.57 s) or one all-reduce (2.49 s). The 20 + 12 + 10 gradient elements likewise: 0.8 + 0.01 (28 + 20)
+    # s against 2.56 s. The 12 + 9 + 6 update elements are gathered from their owners in one bucket:
+    # 0.8 + 0.01 (18 + 12) s, against 2.36 s all-reduced and 1.47 s broadcast. Then each layer's v.g.
+    simulation.simulate(layers, prof, 3, flow)
+    assert sent == pytest.approx([0.8 + 0.01 * (37 * 2 / 3 + 16), 1.28, 1.1, 2.0 + 6 * 0.02 * 2 / 3])
+    # At P = 2 nothing pays: the same step as all-reducing the gradients (and no v.g to send).
+    assert simulation.simulate(layers, prof, 2, flow) == simulation.simulate(
+        layers, prof, 2, replace(flow, grad_sync="deferred")
+    )
+
+
 def test_simulate_prints_ratios_and_markdown(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from kfacflow.perf import InverseModel, LinearModel, Profile
 

@@ -20,8 +20,10 @@ the factor update, inverses placed by the placement policy with communicated inv
 broadcast in order as their owners finish them and unpacked by every rank in that order, and the
 rest of the step (preconditioning, optimizer) as measured. The overlap keys are replayed as the
 trainer runs them: inversions started as factors arrive and layers preconditioned as their
-inverses arrive (``kfac.pipeline``), whole or packed inverses (``kfac.broadcast``), gradients
-behind the factors (``kfac.grad_sync=deferred``). Each inverse method has its own model where the
+inverses arrive (``kfac.pipeline``), whole or packed inverses or the owners' updates
+(``kfac.broadcast``), gradients behind the factors (``kfac.grad_sync=deferred``) or on their
+owners alone (``owner``), factors to their owners (``kfac.factor_sync=owner``), several owners at
+once from three ranks on where that pays. Each inverse method has its own model where the
 profile measured one (``methods``). The lower bound hides all communication and shares perfectly
 balanced inverses for free; preconditioning, which every rank does for every layer, stays in it.
 """

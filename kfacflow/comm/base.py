@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
@@ -26,6 +26,23 @@ class Done:
         """Return at once."""
 
 
+class Piece:
+    """A collective in flight whose ``wait()`` returns a tensor it fills (or part of it)."""
+
+    def __init__(self, handle: Handle, result: Tensor) -> None:
+        self.handle, self.result = handle, result
+
+    def wait(self) -> Tensor:
+        """Block until done; return the result."""
+        self.handle.wait()
+        return self.result
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "get_future":  # a trace times the collective where the engine gives a future
+            return self.__dict__["handle"].get_future
+        raise AttributeError(name)
+
+
 class Backend(ABC):
     """Rank, world size, device and the collectives K-FAC and the trainer use.
 
@@ -40,6 +57,9 @@ class Backend(ABC):
     device: torch.device = torch.device("cpu")
     reduces: bool = False
     """Whether :meth:`reduce_async` sums into one rank alone (else it all-reduces: routing gains nothing)."""
+    scatters: bool = False
+    """Whether :meth:`reduce_to_owners_async` and :meth:`gather_async` move each rank's piece alone
+    (else an all-reduce carries the whole buffer: an owner-aware route gains nothing)."""
     last_grad_launch: Any = 0.0
     """When the last gradient all-reduce of this step was launched: a :attr:`clock` reading."""
     clock: Callable[[], Any] = staticmethod(time.perf_counter)
@@ -59,6 +79,26 @@ class Backend(ABC):
         By default an all-reduce (the sum lands on every rank; engines with a reduce override this).
         """
         return self.allreduce_async(tensor)
+
+    def reduce_to_owners_async(self, flat: Tensor, counts: Sequence[int]) -> Handle:
+        """Sum ``flat`` over ranks; each rank's ``wait()`` returns its own piece of the sum (K-FAC group).
+
+        ``flat`` holds ``counts[r]`` elements for rank ``r``, in rank order. By default an
+        all-reduce of the whole buffer (engines that move pieces alone override this).
+        """
+        start = sum(counts[: self.rank])
+        return Piece(self.allreduce_async(flat), flat[start : start + counts[self.rank]])
+
+    def gather_async(self, piece: Tensor, counts: Sequence[int]) -> Handle:
+        """Every rank's piece (``counts[r]`` elements of rank ``r``), in rank order, on every rank (K-FAC group).
+
+        ``wait()`` returns the whole buffer, each piece its owner's bits. By default an all-reduce
+        of a zero-filled buffer into which each rank wrote its piece (``x + 0 == x`` exactly).
+        """
+        flat = piece.new_zeros(sum(counts))
+        start = sum(counts[: self.rank])
+        flat[start : start + counts[self.rank]].copy_(piece)
+        return Piece(self.allreduce_async(flat), flat)
 
     @abstractmethod
     def wrap_model(self, model: nn.Module) -> nn.Module:
@@ -111,7 +151,8 @@ class GradientAllreduce:
 
     :meth:`launch` is called once the step's factor all-reduces are posted, so the gradients
     queue behind them on the link; :meth:`wait` before preconditioning, which is the first thing
-    that needs them. Buckets of about 25 MiB, as DDP's.
+    that needs them. Buckets of about 25 MiB, as DDP's. Gradients :meth:`route` gives to owners
+    (``grad_sync=owner``) go in one reduction to their owners instead; the others keep theirs.
 
     Args:
         backend: The engine (its K-FAC group carries the buckets).
@@ -124,16 +165,28 @@ class GradientAllreduce:
         self.backend = backend
         self.params = params
         self.inflight: list[tuple[list[Tensor], Tensor, Handle]] = []
+        self.owned: list[list[Tensor]] = []
+        self.routed: tuple[list[Tensor], Handle] | None = None
         self.launched = False
 
+    def route(self, owned: list[list[Tensor]]) -> None:
+        """Send the gradients of ``owned[r]`` (parameters) to rank ``r`` alone (before :meth:`launch`)."""
+        self.owned = owned
+
     def launch(self) -> None:
-        """Post the all-reduces (once)."""
+        """Post the collectives (once)."""
         if self.launched:
             return
         self.launched = True
         if self.backend.world_size == 1:
             return
-        grads = [p.grad for p in self.params if p.grad is not None]
+        routed = {id(p) for ps in self.owned for p in ps}
+        pieces = [[p.grad for p in ps if p.grad is not None] for ps in self.owned]
+        if any(pieces):  # the same on every rank: the same layers ran
+            counts = [sum(g.numel() for g in piece) for piece in pieces]
+            flat = torch.cat([g.reshape(-1) for piece in pieces for g in piece])
+            self.routed = (pieces[self.backend.rank], self.backend.reduce_to_owners_async(flat, counts))
+        grads = [p.grad for p in self.params if p.grad is not None and id(p) not in routed]
         bucket: list[Tensor] = []
         nbytes = 0
         for g in grads:
@@ -150,13 +203,20 @@ class GradientAllreduce:
         self.inflight.append((bucket, flat, self.backend.allreduce_async(flat)))
 
     def wait(self) -> None:
-        """Launch if need be, wait, and write the averages back into the gradients."""
+        """Launch if need be, wait, and write the averages back into the gradients (routed ones: on their owner)."""
         self.launch()
+        if self.routed is not None:
+            mine, handle = self.routed
+            self._write_back(mine, handle.wait())
+            self.routed = None
         for bucket, flat, handle in self.inflight:
             handle.wait()
-            flat.div_(self.backend.world_size)
-            offset = 0
-            for g in bucket:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+            self._write_back(bucket, flat)
         self.inflight = []
+
+    def _write_back(self, grads: list[Tensor], flat: Tensor) -> None:
+        flat.div_(self.backend.world_size)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -14,7 +15,8 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from kfacflow.comm.base import Backend, Done, Handle
+from kfacflow.comm import scatter
+from kfacflow.comm.base import Backend, Done, Handle, Piece
 from kfacflow.config import DistConfig
 from kfacflow.registry import BACKENDS
 
@@ -93,6 +95,7 @@ class TorchBackend(Backend):
             self._engine = engine
             # Gloo's point-to-point sends take CPU tensors only: on CUDA, factors stay all-reduced.
             self.reduces = not (engine == "gloo" and self.device.type == "cuda")
+            self.scatters = self.reduces  # gloo's all-to-all takes CPU tensors too
             self._objects = dist.new_group(backend="gloo", timeout=timeout)
             logger.debug("rank %d/%d joined (%s)", self.rank, self.world_size, engine)
 
@@ -142,6 +145,30 @@ class TorchBackend(Backend):
                     for i, c in enumerate(part.split(chunks[0].numel())):
                         works.append(dist.irecv(c, src, group=self._group, tag=tag + i))
         return SumOnWait(flat, works, parts)
+
+    def reduce_to_owners_async(self, flat: Tensor, counts: Sequence[int]) -> Handle:
+        """Sum ``flat`` over the K-FAC group, each rank receiving its piece; returns at once on NCCL.
+
+        Gloo takes pieces of uneven size in one reduce-scatter; NCCL (equal chunks only) runs
+        :func:`~kfacflow.comm.scatter.reduce_to_owners`'s two steps on its stream.
+        """
+        if self.world_size == 1 or not self.scatters:
+            return super().reduce_to_owners_async(flat, counts)
+        if self._engine == "gloo":
+            mine = flat.new_empty(counts[self.rank])
+            work = dist.reduce_scatter(mine, list(flat.split(list(counts))), group=self._group, async_op=True)
+            assert work is not None
+            return Piece(work, mine)
+        return scatter.reduce_to_owners(flat, counts, self.rank, self._group)
+
+    def gather_async(self, piece: Tensor, counts: Sequence[int]) -> Handle:
+        """Every rank's piece on every rank, in :func:`~kfacflow.comm.scatter.gather_from_owners`'s two steps.
+
+        On gloo the host waits for the first.
+        """
+        if self.world_size == 1 or not self.scatters:
+            return super().gather_async(piece, counts)
+        return scatter.gather_from_owners(piece, counts, self.rank, self._group)
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """Wrap in DDP when there is more than one worker."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kfacflow.comm import scatter
 from kfacflow.comm.base import Backend, Handle
 from kfacflow.kfac.fusion_plan import plan_groups
 from kfacflow.kfac.stages import EVERY_RANK, FusionOptions, FusionPolicy, Waiting
@@ -25,6 +26,9 @@ from kfacflow.registry import COMMUNICATORS
 from kfacflow.timing import UNTIL, StepTimer
 
 logger = logging.getLogger(__name__)
+
+SCATTER = -2
+"""A :class:`Routing` part reduced to several owners at once, each receiving its own factors."""
 
 
 class Policy:
@@ -213,35 +217,51 @@ class FusedSum:
         backend: Where it runs (its K-FAC group).
         items: ``(key, packed factor)`` pairs; all of one dtype and device.
         timer: Records the transfer from launch to completion when tracing.
-        dst: The one rank that needs the sum (a reduction), or ``None`` for every rank (an all-reduce).
+        dst: The one rank that needs the sum (a reduction), ``None`` for every rank (an all-reduce),
+            or :data:`SCATTER`: each factor to its owner (``owners``; ``items`` in rank order).
+        owners: With :data:`SCATTER`, the owner of each item.
     """
 
     def __init__(
-        self, backend: Backend, items: list[tuple[str, Tensor]], timer: StepTimer | None = None, dst: int | None = None
+        self,
+        backend: Backend,
+        items: list[tuple[str, Tensor]],
+        timer: StepTimer | None = None,
+        dst: int | None = None,
+        owners: Sequence[int] = (),
     ) -> None:
         self.world_size = backend.world_size
         self.keys = [k for k, _ in items]
         self.sizes = [t.numel() for _, t in items]
-        self.mine = dst is None or dst == backend.rank
         self.buffer = torch.cat([t.reshape(-1) for _, t in items]) if len(items) > 1 else items[0][1]
-        self.handle: Handle = (
-            backend.allreduce_async(self.buffer) if dst is None else backend.reduce_async(self.buffer, dst)
-        )
+        self.mine = dst is None or dst == backend.rank
+        self.handle: Handle
+        if dst == SCATTER:
+            counts = [sum(m for m, o in zip(self.sizes, owners, strict=True) if o == r) for r in range(self.world_size)]
+            self.handle = backend.reduce_to_owners_async(self.buffer.view(-1), counts)
+            self.keys = [k for k, o in zip(self.keys, owners, strict=True) if o == backend.rank]
+            self.sizes = [m for m, o in zip(self.sizes, owners, strict=True) if o == backend.rank]
+            self.mine = bool(self.keys)
+        elif dst is None:
+            self.handle = backend.allreduce_async(self.buffer)
+        else:
+            self.handle = backend.reduce_async(self.buffer, dst)
+        self.scattered = dst == SCATTER
         self.timer, self.t0 = timer, time.perf_counter()
-        self.name = self.keys[0] if len(items) == 1 else f"{self.keys[0]} +{len(items) - 1}"
+        self.name = f"{items[0][0]} +{len(items) - 1}" if len(items) > 1 else items[0][0]
         if dst is not None:
-            self.name += f" to {dst}"
+            self.name += " to owners" if dst == SCATTER else f" to {dst}"
         if timer is not None and timer.on_done(self.handle, self.name, "allreduce"):
             self.timer = None
 
     def wait(self) -> dict[str, Tensor]:
         """Block until done; return the averaged factors by key (none on a rank a reduction is not for)."""
-        self.handle.wait()
+        result = self.handle.wait()
         if self.timer is not None and self.timer.tracing:  # no future to say when it ended: until taken
             self.timer.record(f"{self.name} {UNTIL}", "allreduce", self.t0, time.perf_counter())
         if not self.mine:
             return {}
-        avg = self.buffer / self.world_size
+        avg = (result if self.scattered else self.buffer) / self.world_size
         return dict(zip(self.keys, avg.split(self.sizes), strict=True))
 
 
@@ -266,31 +286,50 @@ class Routing:
         world_size: P.
         allreduce: All-reduce time model; ``None``: unknown.
         reduce: Reduction time model (a broadcast reversed: the broadcast's); ``None``: unknown.
+        scatters: Whether the engine can reduce a buffer to several owners at once
+            (:meth:`~kfacflow.comm.base.Backend.reduce_to_owners_async`).
     """
 
     owners: dict[str, int]
     world_size: int
     allreduce: LinearModel | None = None
     reduce: LinearModel | None = None
+    scatters: bool = False
 
     def parts(self, keys: Sequence[str], elements: dict[str, int]) -> list[tuple[int | None, list[str]]]:
-        """How one group is summed: one reduction per owner, or the whole group in one all-reduce.
+        """How one group is summed: one all-reduce, one reduction per owner, or one reduction to all owners.
 
-        Reductions where they cost less by the models: between two ranks the reductions to
-        each run at once, one per direction (the longest counts); with more, they queue, each
-        paying its start-ups, so a group of many small factors of many owners stays one
-        all-reduce. Without models: reductions between two ranks, else only a group of one owner.
+        The cheapest by the models. Between two ranks the reductions to each run at once, one per
+        direction (the longest counts); with more, they queue, each paying its start-ups, so a
+        group of many small factors of many owners stays one all-reduce, or, from three ranks on,
+        goes to its owners in one reduce-scatter and all-to-all (:data:`SCATTER`, the factors in
+        rank order: two start-ups, each element moved about once). Without models: reductions
+        between two ranks, else only a group of one owner. Factors every rank inverts are
+        all-reduced beside the reductions.
         """
         parts = by_owner(keys, self.owners)
-        owned = [sum(elements[k] for k in part) for dst, part in parts if dst is not None]
+        owned = [(dst, part) for dst, part in parts if dst is not None]
         if not owned:
             return [(None, list(keys))]
         if self.allreduce is None or self.reduce is None:
             return parts if self.world_size == 2 or len(owned) == 1 else [(None, list(keys))]
-        shared = sum(elements[k] for dst, part in parts if dst is None for k in part)
-        times = [self.reduce(m) for m in owned]
-        cost = (max(times) if self.world_size == 2 else sum(times)) + (self.allreduce(shared) if shared else 0.0)
-        return parts if cost < self.allreduce(sum(owned) + shared) else [(None, list(keys))]
+        sizes = {dst: sum(elements[k] for k in part) for dst, part in owned}
+        shared = [(dst, part) for dst, part in parts if dst is None]
+        rest = self.allreduce(sum(elements[k] for _, part in shared for k in part)) if shared else 0.0
+        times = [self.reduce(m) for m in sizes.values()]
+        options: list[tuple[float, list[tuple[int | None, list[str]]]]] = [
+            (self.allreduce(sum(elements[k] for k in keys)), [(None, list(keys))]),
+            ((max(times) if self.world_size == 2 else sum(times)) + rest, parts),
+        ]
+        if self.scatters and self.world_size > 2 and len(owned) > 1:
+            counts = [sizes.get(r, 0) for r in range(self.world_size)]
+            in_rank_order = [k for _, part in sorted(owned, key=lambda p: p[0]) for k in part]
+            options.append((scatter.cost(self.reduce, counts) + rest, [(SCATTER, in_rank_order), *shared]))
+        best = options[0]
+        for option in options[1:]:
+            if option[0] < best[0]:
+                best = option
+        return best[1]
 
 
 class Communicator:
@@ -319,6 +358,8 @@ class Communicator:
         """Groups launched so far (for tests and logs)."""
         self.reductions = 0
         """Reductions to one owner launched so far (``kfac.factor_sync=owner``; for tests and logs)."""
+        self.scattered = 0
+        """Reductions to several owners at once launched so far (:data:`SCATTER`; for tests and logs)."""
         self.groups: list[list[tuple[str, int]]] = []
         """The groups of the last complete step, in launch order: ``(key, elements)``."""
         self._groups: list[list[tuple[str, int]]] = []
@@ -383,8 +424,12 @@ class Communicator:
             else:
                 tensors = dict(items)
                 for dst, part in self.routing.parts(keys, {k: t.numel() for k, t in items}):
-                    self.inflight.append(FusedSum(self.backend, [(k, tensors[k]) for k in part], self.timer, dst))
-                    self.reductions += dst is not None
+                    owners = [self.routing.owners[k] for k in part] if dst == SCATTER else ()
+                    self.inflight.append(
+                        FusedSum(self.backend, [(k, tensors[k]) for k in part], self.timer, dst, owners)
+                    )
+                    self.reductions += dst is not None and dst != SCATTER
+                    self.scattered += dst == SCATTER
             self.launches += 1
 
     @property

@@ -114,6 +114,12 @@ class KFACLayer:
         return bias_preconditioned(self.module)
 
     @property
+    def params(self) -> list[Tensor]:
+        """The parameters it preconditions: the weight, and the bias where it is trained."""
+        bias = self.module.bias
+        return [self._weight(), bias] if self.has_bias and isinstance(bias, Tensor) else [self._weight()]
+
+    @property
     def a_dim(self) -> int:
         """Side of the A factor."""
         return self._weight()[0].numel() + int(self.has_bias)

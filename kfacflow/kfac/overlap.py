@@ -41,6 +41,12 @@ GRAD_SYNCS.add(
     GradSync(deferred=True),
     "gradients all-reduced after backward, behind the factors, awaited to precondition",
 )
+GRAD_SYNCS.add(
+    "owner",
+    GradSync(deferred=True, to_owner=True),
+    "as deferred, but each owned layer's gradients reduced to its owner alone where that costs less "
+    "(kfac.broadcast=update, three ranks or more)",
+)
 FACTOR_SYNCS.add("allreduce", FactorSync(to_owner=False), "factors summed on every rank (the paper)")
 FACTOR_SYNCS.add(
     "owner",

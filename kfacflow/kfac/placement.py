@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kfacflow import UserError
+from kfacflow.comm import scatter
 from kfacflow.kfac.stages import EVERY_RANK
 from kfacflow.perf import Profile
 from kfacflow.registry import PLACEMENTS
@@ -275,13 +276,18 @@ def layer_order(dims: Sequence[int], owners: Sequence[int], world_size: int, pro
 
 
 def update_buckets(
-    order: Sequence[int], elements: Sequence[int], owners: Sequence[int], profile: Profile | None
+    order: Sequence[int],
+    elements: Sequence[int],
+    owners: Sequence[int],
+    profile: Profile | None,
+    world_size: int = 2,
+    gather: bool = False,
 ) -> list[list[int]]:
     """Group the communicated layers of ``order`` for ``kfac.broadcast=fused_update``.
 
     Consecutive layers of the shared order share a bucket until it has paid for its all-reduce
     start-up (:meth:`~kfacflow.perf.LinearModel.amortized`: tenfold). A bucket of several layers is one
-    all-reduce of a zero-filled buffer and is kept only where that beats broadcasting its
+    collective (:func:`gathers` says which) and is kept only where that beats broadcasting its
     layers one by one (at P = 64 a broadcast start-up costs as much as a million elements and
     two hundred of them queue on the link; on a slow link an all-reduce's double traffic
     costs more than the start-ups it saves); otherwise each layer is its own bucket,
@@ -292,6 +298,8 @@ def update_buckets(
         elements: Elements of each layer's update.
         owners: Owner of each layer (``EVERY_RANK``: computed on every rank, not sent).
         profile: Fitted performance models (none: every layer alone).
+        world_size: P.
+        gather: Whether the engine can gather pieces from their owners (:func:`gathers`).
     """
     sent = [j for j in order if owners[j] != EVERY_RANK]
     if profile is None:
@@ -301,7 +309,8 @@ def update_buckets(
 
     def close(bucket: list[int]) -> None:
         m = sum(elements[j] for j in bucket)
-        if len(bucket) > 1 and ar(m) < len(bucket) * bc.alpha + bc.beta * m:
+        cost = bucket_cost(bucket, elements, owners, profile, world_size, gather)
+        if len(bucket) > 1 and cost < len(bucket) * bc.alpha + bc.beta * m:
             buckets.append(bucket)
         else:
             buckets.extend([j] for j in bucket)
@@ -314,6 +323,40 @@ def update_buckets(
             bucket = []
     close(bucket)
     return buckets
+
+
+def gathers(
+    bucket: Sequence[int], elements: Sequence[int], owners: Sequence[int], profile: Profile, world_size: int
+) -> bool:
+    """Whether a bucket of updates travels as a gather from its owners rather than a zero-filled all-reduce.
+
+    A gather (:meth:`~kfacflow.comm.base.Backend.gather_async`: an all-to-all into equal chunks,
+    then their all-gather) pays two start-ups and moves each element about once; the all-reduce
+    pays one and moves each element twice; the models decide (:func:`~kfacflow.comm.scatter.pays`).
+    """
+    return scatter.pays(profile.allreduce, profile.broadcast, _counts(bucket, elements, owners, world_size))
+
+
+def bucket_cost(
+    bucket: Sequence[int],
+    elements: Sequence[int],
+    owners: Sequence[int],
+    profile: Profile,
+    world_size: int,
+    gather: bool,
+) -> float:
+    """Seconds one bucket of updates takes on the link, in the collective it travels in."""
+    if gather and gathers(bucket, elements, owners, profile, world_size):
+        return scatter.cost(profile.broadcast, _counts(bucket, elements, owners, world_size))
+    return profile.allreduce(sum(elements[j] for j in bucket))
+
+
+def _counts(bucket: Sequence[int], elements: Sequence[int], owners: Sequence[int], world_size: int) -> list[int]:
+    """Elements of the bucket each rank owns."""
+    counts = [0] * max(world_size, 1, *(owners[j] + 1 for j in bucket))
+    for j in bucket:
+        counts[owners[j]] += elements[j]
+    return counts
 
 
 PLACEMENTS.add("local", local, "every rank inverts every factor; no inverse traffic (D-KFAC)")

@@ -36,8 +36,17 @@ def kl_clip_scale(pairs: list[tuple[Tensor, Tensor]], lr: float, kl_clip: float)
     """
     if kl_clip <= 0 or not pairs:
         return 1.0
-    # In float64: v . g of float32 tensors overflows to inf long before the step is too large to clip.
-    vg = torch.stack([torch.sum(v.to(torch.float64) * g.to(torch.float64)) for v, g in pairs]).sum() * (lr * lr)
+    return clip_scale([v_dot_g(v, g) for v, g in pairs], lr, kl_clip)
+
+
+def v_dot_g(v: Tensor, g: Tensor) -> Tensor:
+    """One layer's ``v.g``, in float64 (of float32 tensors it overflows long before the step is too large to clip)."""
+    return torch.sum(v.to(torch.float64) * g.to(torch.float64))
+
+
+def clip_scale(dots: list[Tensor], lr: float, kl_clip: float) -> Tensor:
+    """Return :func:`kl_clip_scale` from each layer's ``v.g`` (float64, summed in layer order)."""
+    vg = torch.stack(dots).sum() * (lr * lr)
     usable = (vg > 0) & torch.isfinite(vg)
     return torch.where(usable, torch.sqrt(kl_clip / vg).clamp(max=1.0), torch.ones_like(vg))
 
@@ -47,6 +56,7 @@ class KFACPrecondition:
 
     def __init__(self, kl_clip: float) -> None:
         self.kl_clip = kl_clip
+        self.clips = kl_clip > 0
 
     def __call__(self, grads: list[Tensor], inverses: list[tuple[Inverse, Inverse]], lr: float) -> list[Tensor]:
         """Return the preconditioned and clipped gradients, one per layer.
@@ -57,17 +67,22 @@ class KFACPrecondition:
             lr: Current learning rate (KL clipping bounds the step, not the direction).
         """
         updates = [self.layer(g, a, gi) for g, (a, gi) in zip(grads, inverses, strict=True)]
-        return self.finish(updates, grads, lr)
+        dots = [self.contribution(u, g) for u, g in zip(updates, grads, strict=True)] if self.clips else []
+        return self.finish(updates, dots, lr)
 
     def layer(self, grad: Tensor, a_inv: Inverse, g_inv: Inverse) -> Tensor:
         """Return ``G^-1 grad A^-1`` of one layer."""
         return precondition(grad, a_inv, g_inv)
 
-    def finish(self, updates: list[Tensor], grads: list[Tensor], lr: float) -> list[Tensor]:
-        """Scale every layer's update by the KL clipping factor of them all."""
-        scale = kl_clip_scale(list(zip(updates, grads, strict=True)), lr, self.kl_clip)
-        if isinstance(scale, float):
+    def contribution(self, update: Tensor, grad: Tensor) -> Tensor:
+        """Return the layer's ``v.g`` (float64)."""
+        return v_dot_g(update, grad)
+
+    def finish(self, updates: list[Tensor], contributions: list[Tensor], lr: float) -> list[Tensor]:
+        """Scale every layer's update by the KL clipping factor of them all (from each layer's ``v.g``)."""
+        if not self.clips or not contributions:
             return updates
+        scale = clip_scale(contributions, lr, self.kl_clip)
         with torch.no_grad():  # x * 1 == x exactly: an unclipped step keeps its bits
             return [u * scale.to(u.dtype) for u in updates]
 

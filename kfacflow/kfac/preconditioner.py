@@ -11,14 +11,15 @@ import torch
 from torch import Tensor, nn
 
 from kfacflow import UserError
-from kfacflow.comm.base import Backend, GradientAllreduce, Handle
+from kfacflow.comm import scatter
+from kfacflow.comm.base import Backend, GradientAllreduce, Handle, Piece
 from kfacflow.config import KFACConfig
 from kfacflow.kfac.capture import Capture
 from kfacflow.kfac.fusion import Communicator, Routing, estimated_arrivals
 from kfacflow.kfac.inverse import Inverse, warn_once
 from kfacflow.kfac.layers import KFACLayer, find_layers
 from kfacflow.kfac.packing import unpack
-from kfacflow.kfac.placement import by_layer, layer_order, schedule, update_buckets
+from kfacflow.kfac.placement import by_layer, gathers, layer_order, schedule, update_buckets
 from kfacflow.kfac.stages import EVERY_RANK, FactorSlot, StageSet
 from kfacflow.perf import Profile
 from kfacflow.timing import StepTimer
@@ -147,14 +148,20 @@ class KFACPreconditioner:
         owners = self.stages.placement(dims, sizes, world, self.profile)
         self.update_buckets: dict[str, list[str]] = {}
         """With ``kfac.broadcast=fused_update``: the layers of each bucket, keyed by its last layer."""
+        self.gathered: set[str] = set()
+        """The buckets gathered from their owners (:func:`~kfacflow.kfac.placement.gathers`), not all-reduced."""
         if broadcast.update:
             owners = by_layer(dims, owners)
             order = layer_order(dims, owners, world, self.profile)
             self.layer_order = [self.layers[j] for j in order]
             if broadcast.fused:
-                for bucket in update_buckets(order, sizes[::2], owners[::2], self.profile):
+                gather = self.backend.scatters
+                for bucket in update_buckets(order, sizes[::2], owners[::2], self.profile, world, gather):
                     if len(bucket) > 1:
-                        self.update_buckets[self.layers[bucket[-1]].name] = [self.layers[j].name for j in bucket]
+                        key = self.layers[bucket[-1]].name
+                        self.update_buckets[key] = [self.layers[j].name for j in bucket]
+                        if gather and self.profile and gathers(bucket, sizes[::2], owners[::2], self.profile, world):
+                            self.gathered.add(key)
         for slot, size, owner in zip(self.slots, sizes, owners, strict=True):
             slot.flat_size, slot.owner = size, owner
         self._schedule()
@@ -167,14 +174,45 @@ class KFACPreconditioner:
         end changes the placement, and factors already on their way went by the old one). An
         engine without a reduction (Horovod) all-reduces every step, as with ``allreduce``.
         """
+        self._route_gradients()
         if not self.stages.factor_sync.to_owner or self.capture.uses is None or not self.backend.reduces:
             self.comm.routing, self.held = None, None
             return
         owners = {slot.key: slot.owner for slot in self.slots}
-        models = (self.profile.allreduce, self.profile.broadcast) if self.profile else (None, None)
-        self.comm.routing = Routing(owners, self.backend.world_size, *models)
+        allreduce, reduce = (self.profile.allreduce, self.profile.broadcast) if self.profile else (None, None)
+        self.comm.routing = Routing(owners, self.backend.world_size, allreduce, reduce, self.backend.scatters)
         self.held = {slot.key for slot in self.slots if slot.owner in (EVERY_RANK, self.backend.rank)}
         self.running = {key: avg for key, avg in self.running.items() if key in self.held}
+
+    def _route_gradients(self) -> None:
+        """With ``kfac.grad_sync=owner``: decide whether each owned layer's gradients go to its owner alone.
+
+        Once the layers in use are known, from three ranks on, where the engine moves pieces to
+        their owners alone and the models say one reduction to the owners costs less than
+        all-reducing the same gradients (at P = 2 it moves no fewer bytes).
+        """
+        self.grad_owned: list[list[Tensor]] = []
+        """The parameters whose gradients each rank receives alone (``[]``: every gradient all-reduced)."""
+        if (
+            not self.stages.grad_sync.to_owner
+            or not self.stages.broadcast.update
+            or self.capture.uses is None
+            or not self.backend.scatters
+            or self.profile is None
+        ):
+            return
+        owned: list[list[Tensor]] = [[] for _ in range(self.backend.world_size)]
+        for slot in self.slots[::2]:
+            if slot.owner != EVERY_RANK:
+                owned[slot.owner] += slot.layer.params
+        if scatter.pays(self.profile.allreduce, self.profile.broadcast, [sum(p.numel() for p in ps) for ps in owned]):
+            self.grad_owned = owned
+            logger.info(
+                "the gradients of %d layers go to their owners alone; %d of %d buckets of updates gathered from them",
+                sum(slot.owner != EVERY_RANK for slot in self.slots[::2]),
+                len(self.gathered),
+                len(self.update_buckets),
+            )
 
     def _schedule(self, ready: dict[str, float] | None = None) -> None:
         """Decide the order every rank inverts in (given when each factor is expected, for the arrival pipeline)."""
@@ -233,6 +271,8 @@ class KFACPreconditioner:
         """
         self._warn_nonfinite()  # the last step's factors: the device finished them long ago
         self._gradients = gradients
+        if gradients is not None:
+            gradients.route(self.grad_owned)
         inverting = self.steps % self.cfg.inv_update_freq == 0
         arrivals = self._arrivals() if self._updates_factors() else iter(())
         if inverting and self.stages.pipeline.invert_on_arrival:
@@ -248,6 +288,8 @@ class KFACPreconditioner:
     def skip_step(self, gradients: GradientAllreduce | None = None) -> None:
         """Drop this step's factors (the step is skipped on every rank), keeping collectives in step."""
         self._gradients = gradients
+        if gradients is not None:
+            gradients.route(self.grad_owned)
         for _ in self._arrivals() if self._updates_factors() else ():
             pass
         if gradients is not None:
@@ -393,12 +435,13 @@ class KFACPreconditioner:
             with self.timer.span("GradComm"):
                 gradients.wait()
         live = [(layer, g) for layer in self.layers if (g := layer.grad_matrix()) is not None]
+        stage = self.stages.precondition
         if self.stages.broadcast.update:
-            updates = self._precondition_owned({layer.name: g for layer, g in live})
+            updates, contributions = self._precondition_owned({layer.name: g for layer, g in live})
         else:
             updates = self._precondition_local(live, sends)
-        grads = [g for _, g in live]
-        final = self.stages.precondition.finish([updates[layer.name] for layer, _ in live], grads, lr)
+            contributions = [stage.contribution(updates[layer.name], g) for layer, g in live] if stage.clips else []
+        final = stage.finish([updates[layer.name] for layer, _ in live], contributions, lr)
         for (layer, _), update in zip(live, final, strict=True):
             layer.set_grad(update)
 
@@ -437,19 +480,25 @@ class KFACPreconditioner:
         apply_ready()
         return updates
 
-    def _precondition_owned(self, live: dict[str, Tensor]) -> dict[str, Tensor]:
+    def _precondition_owned(self, live: dict[str, Tensor]) -> tuple[dict[str, Tensor], list[Tensor]]:
         """Precondition the layers this rank owns (and every rank's), sending each owned update.
 
         Every rank walks :attr:`layer_order` and posts each communicated layer's collective in it
         (collectives run in the order they are posted): a broadcast of its own update as soon as
         it is computed, a receive buffer for the others'; a bucket of :attr:`update_buckets` as
-        one all-reduce once its last layer is reached. Every rank then applies the owner's bits.
+        one collective once its last layer is reached. Every rank then applies the owner's bits.
+        Returns the updates and each live layer's contribution to the precondition stage's
+        :meth:`finish`: where the gradients went to their owners alone (:attr:`grad_owned`), the
+        owners compute theirs and send them in one all-reduce of zero-filled float64 slots.
         """
         rank = self.backend.rank
         owner = {slot.layer.name: slot.owner for slot in self.slots}
         bucketed = {name for names in self.update_buckets.values() for name in names}
+        stage = self.stages.precondition
+        from_owners = bool(self.grad_owned) and stage.clips
         updates: dict[str, Tensor] = {}
-        posted: list[tuple[list[str], Tensor, Handle]] = []
+        mine: dict[str, Tensor] = {}
+        posted: list[tuple[list[str], Handle]] = []
         with torch.no_grad():
             for layer in self.layer_order:
                 grad, src = live.get(layer.name), owner[layer.name]
@@ -460,47 +509,71 @@ class KFACPreconditioner:
                     )
                     self.timer.record(layer.name, "precondition", t0, self.timer.now())
                     updates[layer.name] = update.contiguous()
+                    if from_owners and src == rank:
+                        mine[layer.name] = stage.contribution(update, grad)
                 if layer.name in self.update_buckets:
-                    posted += self._post_bucket(self.update_buckets[layer.name], live, updates)
+                    posted += self._post_bucket(layer.name, live, updates)
                 elif grad is not None and src != EVERY_RANK and layer.name not in bucketed:
                     if src != rank:
                         updates[layer.name] = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
                     with self.timer.span("InverseComm"):
                         handle = self.backend.broadcast_async(updates[layer.name], src)
                     self.timer.on_done(handle, f"{layer.name} update from {src}", "broadcast")
-                    posted.append(([], updates[layer.name], handle))
-            for names, buffer, handle in posted:  # names: a bucket's layers, to be cut out of it
+                    posted.append(([], handle))
+            sent = [name for name in live if owner[name] != EVERY_RANK]
+            dots: Handle | None = None
+            if from_owners and sent:  # x + 0 == x: every rank receives each owner's bits
+                slots = torch.zeros(len(sent), dtype=torch.float64, device=self.backend.device)
+                for i, name in enumerate(sent):
+                    if name in mine:
+                        slots[i] = mine[name]
+                dots = Piece(self.backend.allreduce_async(slots), slots)
+            for names, handle in posted:  # names: a bucket's layers, to be cut out of it
                 with self.timer.span("InverseComm"):
-                    handle.wait()
+                    buffer = handle.wait()
                 offset = 0
                 for name in names:
                     grad = live[name]
                     updates[name] = buffer[offset : offset + grad.numel()].view(grad.shape)
                     offset += grad.numel()
-        return updates
+            if not stage.clips:
+                return updates, []
+            received = dict(zip(sent, dots.wait(), strict=True)) if dots is not None else {}
+        return updates, [received[n] if n in received else stage.contribution(updates[n], g) for n, g in live.items()]
 
     def _post_bucket(
-        self, names: list[str], live: dict[str, Tensor], updates: dict[str, Tensor]
-    ) -> list[tuple[list[str], Tensor, Handle]]:
-        """Sum the owners' updates of one bucket into every rank: one all-reduce of their disjoint pieces.
+        self, key: str, live: dict[str, Tensor], updates: dict[str, Tensor]
+    ) -> list[tuple[list[str], Handle]]:
+        """Send the owners' updates of one bucket to every rank in one collective; return its layers in its order.
 
-        Every other rank adds zeros to an owner's piece, and ``x + 0 == x`` exactly, so every rank
-        (the owner too, which takes the reduced copy) ends with the owner's bits.
+        Where the bucket gathers (:attr:`gathered`), each owner's layers are its piece, in rank
+        order; otherwise every rank adds zeros to each owner's piece of an all-reduced buffer
+        (``x + 0 == x`` exactly). Either way every rank (the owner too, which takes the received
+        copy) ends with the owner's bits.
         """
-        names = [name for name in names if name in live]
+        names = [name for name in self.update_buckets[key] if name in live]
+        gather = key in self.gathered
         if not names:
             return []
+        owner = {slot.layer.name: slot.owner for slot in self.slots}
         first = live[names[0]]
-        buffer = first.new_zeros(sum(live[name].numel() for name in names))
-        offset = 0
-        for name in names:
-            if name in updates:
-                buffer[offset : offset + live[name].numel()].copy_(updates[name].reshape(-1))
-            offset += live[name].numel()
         with self.timer.span("InverseComm"):
-            handle = self.backend.allreduce_async(buffer)
+            if gather:
+                names = sorted(names, key=lambda name: owner[name])  # stable: the bucket's order within a rank
+                counts = [sum(live[n].numel() for n in names if owner[n] == r) for r in range(self.backend.world_size)]
+                own = [updates[n].reshape(-1) for n in names if owner[n] == self.backend.rank]
+                piece = torch.cat(own) if own else first.new_empty(0)
+                handle: Handle = self.backend.gather_async(piece, counts)
+            else:
+                buffer = first.new_zeros(sum(live[name].numel() for name in names))
+                offset = 0
+                for name in names:
+                    if name in updates:
+                        buffer[offset : offset + live[name].numel()].copy_(updates[name].reshape(-1))
+                    offset += live[name].numel()
+                handle = Piece(self.backend.allreduce_async(buffer), buffer)
         self.timer.on_done(handle, f"{len(names)} updates, {names[0]}..{names[-1]}", "broadcast")
-        return [(names, buffer, handle)]
+        return [(names, handle)]
 
     # --- checkpoints ------------------------------------------------------------------------------
 

@@ -225,8 +225,22 @@ class PreconditionStage(Protocol):
         """Return one layer's update direction (``(g_dim, a_dim)``)."""
         ...
 
-    def finish(self, updates: list[Tensor], grads: list[Tensor], lr: float) -> list[Tensor]:
-        """Return the updates of every layer after what depends on all of them (e.g. KL clipping)."""
+    clips: bool
+    """Whether :meth:`finish` needs every layer's :meth:`contribution` (e.g. KL clipping is on)."""
+
+    def contribution(self, update: Tensor, grad: Tensor) -> Tensor:
+        """Return what :meth:`finish` needs of one layer's gradient (KL clipping: ``v.g``, a float64 scalar).
+
+        Computed where the layer's averaged gradient is: on its owner alone when the gradients
+        travel to owners only (``kfac.grad_sync=owner``), which then sends it to every rank.
+        """
+        ...
+
+    def finish(self, updates: list[Tensor], contributions: list[Tensor], lr: float) -> list[Tensor]:
+        """Return the updates of every layer after what depends on all of them (e.g. KL clipping).
+
+        ``contributions``: each layer's, where :attr:`clips`; else empty.
+        """
         ...
 
 
@@ -295,10 +309,16 @@ class GradSync:
     ``overlap``: during the backward pass (DDP's buckets, Horovod's hooks), before K-FAC starts.
     ``deferred``: after the backward pass, on the K-FAC process group behind the factor
     all-reduces, so that the link carries what gates the next phase first; the step waits for
-    the gradients only to precondition.
+    the gradients only to precondition. ``to_owner`` (deferred, with ``kfac.broadcast=update``,
+    where only a layer's owner preconditions it): the gradients of owned layers are reduced to
+    their owners alone, in one reduce-scatter and all-to-all, where the models say that costs
+    less than their all-reduce (from three ranks on); the owners send the KL clipping's ``v.g``
+    with the updates. The rest (layers every rank preconditions, parameters K-FAC leaves alone)
+    is all-reduced.
     """
 
     deferred: bool
+    to_owner: bool = False
 
 
 @dataclass(frozen=True)
@@ -327,3 +347,4 @@ class StageSet:
     pipeline: Pipeline = Pipeline(invert_on_arrival=False, precondition_on_arrival=False)
     broadcast: Broadcast = Broadcast(owner_keeps=False)
     factor_sync: FactorSync = FactorSync(to_owner=False)
+    grad_sync: GradSync = GradSync(deferred=False)

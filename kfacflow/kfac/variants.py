@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from kfacflow.config import KFACConfig
 from kfacflow.kfac import overlap  # noqa: F401  (registers the broadcasts resolve looks up)
 from kfacflow.kfac.stages import Variant
-from kfacflow.registry import BROADCASTS, VARIANTS
+from kfacflow.registry import BROADCASTS, GRAD_SYNCS, VARIANTS
 
 __all__ = ["PRESETS", "Stages", "Variant", "resolve"]
 
@@ -30,12 +30,15 @@ class Stages:
 def resolve(cfg: KFACConfig) -> Stages:
     """Return the stages of ``cfg.variant`` with any explicit ``kfac.<stage>`` choice winning.
 
-    A preset's ``factor_sync=owner`` gives way to ``allreduce`` where the recipe chose a broadcast
-    of inverses (every rank then needs every factor); asked for by name, it is checked instead.
+    A preset's ``factor_sync=owner`` gives way to ``allreduce``, and its ``grad_sync=owner`` to
+    ``deferred``, where the recipe chose a broadcast of inverses (every rank then needs every factor
+    and every gradient); asked for by name, they are checked instead.
     """
     v = VARIANTS.get(cfg.variant)
     broadcast = cfg.broadcast or v.broadcast
-    factor_sync = cfg.factor_sync or (v.factor_sync if BROADCASTS.get(broadcast).update else "allreduce")
+    update = BROADCASTS.get(broadcast).update
+    factor_sync = cfg.factor_sync or (v.factor_sync if update else "allreduce")
+    grad_sync = cfg.grad_sync or (v.grad_sync if update or not GRAD_SYNCS.get(v.grad_sync).to_owner else "deferred")
     return Stages(
         fusion=cfg.fusion or v.fusion,
         placement=cfg.placement or v.placement,
@@ -43,7 +46,7 @@ def resolve(cfg: KFACConfig) -> Stages:
         preconditioned=v.preconditioned,
         pipeline=cfg.pipeline or v.pipeline,
         broadcast=broadcast,
-        grad_sync=(cfg.grad_sync or v.grad_sync) if v.preconditioned else "overlap",
+        grad_sync=grad_sync if v.preconditioned else "overlap",
         factor_sync=factor_sync,
         choose=v.choose,
     )
@@ -60,11 +63,11 @@ VARIANTS.add(
         "cholesky_factor",
         pipeline="arrival",
         broadcast="fused_update",
-        grad_sync="deferred",
+        grad_sync="owner",
         factor_sync="owner",
     ),
     "past the paper: SPD's fusion with large factors sent alone, whole layers to owners who precondition "
-    "and send the update (in all-reduced buckets where start-ups dominate), each factor reduced to its owner "
+    "and send the update (in buckets where start-ups dominate), each factor and gradient reduced to its owner "
     "alone, Cholesky factors, inversion as factors arrive, gradients behind the inversions",
 )
 VARIANTS.add(

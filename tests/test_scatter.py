@@ -1,0 +1,86 @@
+"""Pieces to and from their owners: the layout by hand, the costs, and real gloo groups of three."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import run_in_gloo
+
+from kfacflow.comm import scatter
+from kfacflow.comm.torch_dist import TorchBackend
+from kfacflow.config import DistConfig
+from kfacflow.kfac.fusion import SCATTER, Routing
+from kfacflow.kfac.stages import EVERY_RANK
+from kfacflow.perf import LinearModel
+
+COUNTS = [[3, 0, 5], [0, 0, 7], [4, 4, 4], [1, 9, 0], [0, 0, 0], [2, 0, 0]]
+
+
+def test_splits_by_hand() -> None:
+    # 8 elements in chunks of 3: rank 0 owns [0, 3), rank 1 nothing, rank 2 [3, 8).
+    # Chunk 0 = [0, 3) all rank 0's; chunk 1 = [3, 6) rank 2's; chunk 2 = [6, 8) rank 2's (and one pad).
+    assert scatter.chunk_size(8, 3) == 3
+    assert scatter.splits([3, 0, 5], 0) == ([3, 0, 0], [3, 0, 0])
+    assert scatter.splits([3, 0, 5], 1) == ([0, 0, 3], [0, 0, 0])
+    assert scatter.splits([3, 0, 5], 2) == ([0, 0, 2], [0, 3, 2])
+    # Every piece leaves its owner whole, and every chunk is accounted for.
+    for counts in COUNTS:
+        for rank in range(3):
+            from_chunk, to_chunk = scatter.splits(counts, rank)
+            assert sum(to_chunk) == counts[rank]
+            assert sum(from_chunk) <= scatter.chunk_size(sum(counts), 3)
+
+
+def test_cost_and_when_it_pays() -> None:
+    bc, ar = LinearModel(1.0, 0.01), LinearModel(1.0, 0.02)
+    # Two start-ups; (P - 1) / P of the buffer, then the larger of the largest piece and a chunk.
+    assert scatter.cost(bc, [100, 200, 300]) == pytest.approx(2.0 + 0.01 * (400 + 300))
+    assert scatter.pays(ar, bc, [100, 200, 300])  # 9.0 s against 13.0 s
+    assert not scatter.pays(ar, LinearModel(5.0, 0.01), [100, 200, 300])  # 17.0 s
+    assert not scatter.pays(ar, LinearModel(0.0, 0.0), [100, 200])  # never at P = 2
+
+
+def test_routing_reduces_a_group_to_all_its_owners_at_once() -> None:
+    owners = {"a": 2, "b": 0, "c": EVERY_RANK, "d": 1}
+    sizes = {"a": 10, "b": 10, "c": 10, "d": 10}
+    ar, bc = LinearModel(1.0, 0.0), LinearModel(0.4, 0.0)
+    # Three reductions (1.2 s) or one all-reduce (1.0 s) against two start-ups (0.8 s): the factors in rank order.
+    assert Routing(owners, 3, ar, bc, scatters=True).parts(["a", "b", "d"], sizes) == [(SCATTER, ["b", "d", "a"])]
+    assert Routing(owners, 3, ar, bc, scatters=False).parts(["a", "b", "d"], sizes) == [(None, ["a", "b", "d"])]
+    # With an NCT, all-reduced beside them: 0.8 + 2 s against 1.2 + 2 s of reductions and 5 s of one all-reduce.
+    assert Routing(owners, 3, LinearModel(1.0, 0.1), bc, scatters=True).parts(["a", "c", "b", "d"], sizes) == [
+        (SCATTER, ["b", "d", "a"]),
+        (None, ["c"]),
+    ]
+    # One owner: its reduction; two ranks: the two directions at once, never the two steps.
+    assert Routing(owners, 3, ar, bc, scatters=True).parts(["a"], sizes) == [(2, ["a"])]
+    assert Routing({"a": 0, "b": 1}, 2, ar, bc, scatters=True).parts(["a", "b"], sizes) == [(0, ["a"]), (1, ["b"])]
+
+
+def _pieces(rank: int, world: int) -> bool:
+    backend = TorchBackend(DistConfig(device="cpu"))
+    try:
+        assert backend.scatters
+        for counts in COUNTS:
+            total = sum(counts)
+            flat = torch.arange(total, dtype=torch.float64) * (rank + 1) + 0.25
+            start = sum(counts[:rank])
+            want = (torch.arange(total, dtype=torch.float64) * 6 + 0.75)[start : start + counts[rank]]
+            # gloo's own uneven reduce-scatter, and the two steps NCCL runs (here on gloo)
+            assert torch.equal(backend.reduce_to_owners_async(flat.clone(), counts).wait(), want), counts
+            assert torch.equal(scatter.reduce_to_owners(flat.clone(), counts, rank, backend._group).wait(), want)
+            piece = torch.randn(counts[rank], dtype=torch.float64) * 1e-300  # subnormals travel as they are
+            every = torch.cat(backend.gather_objects(piece))
+            assert torch.equal(backend.gather_async(piece, counts).wait(), every), counts
+            # The default (an all-reduce) where an engine cannot move pieces alone: the same results.
+            backend.scatters = False
+            assert torch.equal(backend.reduce_to_owners_async(flat.clone(), counts).wait(), want)
+            assert torch.equal(backend.gather_async(piece, counts).wait(), every)
+            backend.scatters = True
+        return True
+    finally:
+        backend.close()
+
+
+def test_pieces_reach_their_owners_on_three_gloo_ranks() -> None:
+    assert run_in_gloo(_pieces, 3) == [True, True, True]
