@@ -174,10 +174,11 @@ MIXED_PROFILE = Profile(
 # From three ranks on, pieces to and from several owners at once: factor groups of three owners
 # reduced to them in one reduce-scatter and all-to-all, the gradients of owned layers reduced to
 # their owners (who send v.g for the KL clipping), the three updates gathered from their owners.
+# Fusions whose groups do not depend on measured times: every group holds all three owners' factors.
 ROUTED = [
-    ("optimal", "layer", "cholesky_factor", pipeline, "fused_update", "owner", "owner")
+    ("naive", "layer", "cholesky_factor", pipeline, "fused_update", "owner", "owner")
     for pipeline in ("barrier", "arrival")
-] + [("naive", "layer", "eigen", "arrival", "fused_update", "owner", "owner")]
+] + [("after_backward", "layer", "eigen", "arrival", "fused_update", "owner", "owner")]
 # Two start-ups of a broadcast cost less than an all-reduce's one, or than three broadcasts.
 ROUTED_PROFILE = Profile(
     allreduce=LinearModel(alpha=1e-3, beta=1e-9),
