@@ -152,7 +152,7 @@ class KFACPreconditioner:
             who = "DDP" if wrapped else "Horovod's optimizer"
             if cfg.grad_sync and self.backend.world_size > 1:  # asked for by name, not by the preset
                 raise UserError(
-                    f"{WHERE}: grad_sync='deferred' averages gradients itself, but here {who} does; "
+                    f"{WHERE}: grad_sync='{names.grad_sync}' averages gradients itself, but here {who} does; "
                     "pass the model unwrapped (torch backend), or grad_sync='overlap'."
                 )
             return replace(names, grad_sync="overlap")
