@@ -39,17 +39,20 @@ def choose(
     profile: Profile,
     world_size: int,
     cfg: DictConfig,
+    scatters: bool = True,
+    gathers: bool = True,
 ) -> str:
     """Simulate every preset on ``layers`` (this run's traced step) and ``profile``; return the fastest's name.
 
     Every preset runs the recipe's explicit stage choices, as it would if named; inversions traced
     with another method than a preset's are rescaled by the profile's models of both. The table
-    is logged.
+    is logged. ``scatters``, ``gathers``: what this run's engine can do (:class:`~kfacflow.comm.base.Backend`).
     """
     totals = {}
     for name in PRESETS:
         stages = resolve(preset_config(cfg, name))
-        totals[name] = simulate(layers, profile, world_size, stages, threshold_mb=cfg.kfac.fusion_threshold_mb)["total"]
+        threshold = cfg.kfac.fusion_threshold_mb
+        totals[name] = simulate(layers, profile, world_size, stages, True, threshold, scatters, gathers)["total"]
     best = min(totals, key=lambda name: (totals[name], PRESETS.index(name)))
     table = ", ".join(f"{name} {seconds:.3f} s" for name, seconds in totals.items())
     logger.info("kfac.variant=auto: simulated steps %s; using %s", table, best)

@@ -105,6 +105,8 @@ def simulate(
     stages: Stages,
     use_measured: bool = True,
     threshold_mb: float = 64.0,
+    scatters: bool = True,
+    gathers: bool = True,
 ) -> dict[str, float]:
     """Return the breakdown and total of one step (seconds) of ``stages`` on ``workers`` ranks.
 
@@ -115,6 +117,9 @@ def simulate(
         stages: The stage choices (a variant's, :func:`kfacflow.kfac.variants.resolve`).
         use_measured: Inverse times as traced, where the trace has them; else the profile's model.
         threshold_mb: The ``threshold`` fusion's buffer.
+        scatters: Whether the engine reduces to several owners at once (NCCL; gloo's is no faster than
+            its all-reduce): :attr:`~kfacflow.comm.base.Backend.scatters`.
+        gathers: Whether it gathers from several owners at once: :attr:`~kfacflow.comm.base.Backend.gathers`.
     """
     prof = scaled(profile.for_method(stages.inverse), workers)
     if use_measured:
@@ -157,7 +162,7 @@ def simulate(
     to_owner = workers > 1 and registry.FACTOR_SYNCS.get(stages.factor_sync).to_owner
     owners = update_owners(rows, prof, workers, stages) if registry.BROADCASTS.get(stages.broadcast).update else None
     owner = dict(zip(_keys(rows), owners, strict=True)) if to_owner and owners is not None else {}
-    routing = Routing(owner, workers, prof.allreduce, prof.broadcast, scatters=True)
+    routing = Routing(owner, workers, prof.allreduce, prof.broadcast, scatters)
     ops: list[tuple[float, int, int, list[str], int | None]] = [
         (at, 0, sum(elements[k] for k in part), part, dst)
         for at, keys in launches
@@ -181,7 +186,7 @@ def simulate(
             arrival[k] = end
     grad_comm = 0.0 if deferred else max(0.0, grads_done - t_bwd)
     start = t_bwd + grad_comm  # DDP's backward returns when its buckets are averaged
-    routed = routed_gradients(rows, prof, workers, stages, owners) if deferred else None
+    routed = routed_gradients(rows, prof, workers, stages, owners) if deferred and scatters else None
     if deferred:  # posted after the last factor, so they queue behind every one of them
         grads_done = start
         if routed is not None:  # one reduction to the owners; the rest all-reduced in buckets
@@ -191,7 +196,9 @@ def simulate(
             grads_done = link.send(max(start, link.free), prof.allreduce(m))
     groups = [[(k, elements[k]) for k in keys] for _, keys in launches]
     expected = estimated_arrivals(groups, prof.allreduce)
-    backward_pass = _Backward(arrival, start, grads_done, grad_comm, link, expected, owners, routed is not None)
+    backward_pass = _Backward(
+        arrival, start, grads_done, grad_comm, link, expected, owners, routed is not None, gathers
+    )
     return _inverse_phase(rows, measured, prof, workers, stages, use_measured, backward_pass, hooks, ffbp)
 
 
@@ -214,6 +221,8 @@ class _Backward:
     """With ``kfac.broadcast=update``: who inverts each factor (whole layers), A1, G1, A2, G2, ..."""
     routed: bool = False
     """Whether the gradients went to their owners alone (who then send the KL clipping's ``v.g``)."""
+    gathers: bool = True
+    """Whether a bucket of updates may be gathered from its owners."""
 
 
 def _inverse_phase(
@@ -378,11 +387,11 @@ def _update_phase(
         if owner != EVERY_RANK:
             done[j] = ranks[owner].t
     if registry.BROADCASTS.get(stages.broadcast).fused:
-        buckets = update_buckets(order, sizes[::2], owners[::2], prof, workers, gather=True)
+        buckets = update_buckets(order, sizes[::2], owners[::2], prof, workers, bwd.gathers)
         sends = [
             (
                 max(done[j] for j in b),
-                bucket_cost(b, sizes[::2], owners[::2], prof, workers, gather=True)
+                bucket_cost(b, sizes[::2], owners[::2], prof, workers, bwd.gathers)
                 if len(b) > 1
                 else prof.broadcast(sizes[2 * b[0]]),
             )

@@ -369,7 +369,9 @@ class Trainer:
             if self.rank == 0:
                 batch = self.cfg.data.batch_size
                 profile = layer_profile(events, layers, parts, self.world, batch, self.stages.inverse)
-                name = auto.choose(profile, self.kfac.profile, self.world, self.cfg)
+                name = auto.choose(
+                    profile, self.kfac.profile, self.world, self.cfg, self.backend.scatters, self.backend.gathers
+                )
             self.variant = self.backend.broadcast_object(name)
             chosen = auto.preset_config(self.cfg, self.variant)
             self.stages = resolve(chosen)

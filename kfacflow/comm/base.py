@@ -58,8 +58,10 @@ class Backend(ABC):
     reduces: bool = False
     """Whether :meth:`reduce_async` sums into one rank alone (else it all-reduces: routing gains nothing)."""
     scatters: bool = False
-    """Whether :meth:`reduce_to_owners_async` and :meth:`gather_async` move each rank's piece alone
-    (else an all-reduce carries the whole buffer: an owner-aware route gains nothing)."""
+    """Whether :meth:`reduce_to_owners_async` moves each rank's piece alone, with about half an
+    all-reduce's traffic (else it all-reduces the buffer: reducing to several owners gains nothing)."""
+    gathers: bool = False
+    """Whether :meth:`gather_async` moves each rank's piece alone, likewise (else a zero-filled all-reduce)."""
     last_grad_launch: Any = 0.0
     """When the last gradient all-reduce of this step was launched: a :attr:`clock` reading."""
     clock: Callable[[], Any] = staticmethod(time.perf_counter)

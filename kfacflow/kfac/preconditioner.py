@@ -155,13 +155,19 @@ class KFACPreconditioner:
             order = layer_order(dims, owners, world, self.profile)
             self.layer_order = [self.layers[j] for j in order]
             if broadcast.fused:
-                gather = self.backend.scatters
+                gather = self.backend.gathers
                 for bucket in update_buckets(order, sizes[::2], owners[::2], self.profile, world, gather):
                     if len(bucket) > 1:
                         key = self.layers[bucket[-1]].name
                         self.update_buckets[key] = [self.layers[j].name for j in bucket]
                         if gather and self.profile and gathers(bucket, sizes[::2], owners[::2], self.profile, world):
                             self.gathered.add(key)
+                if self.gathered:
+                    logger.info(
+                        "%d of %d buckets of updates gathered from their owners",
+                        len(self.gathered),
+                        len(self.update_buckets),
+                    )
         for slot, size, owner in zip(self.slots, sizes, owners, strict=True):
             slot.flat_size, slot.owner = size, owner
         self._schedule()
@@ -208,10 +214,7 @@ class KFACPreconditioner:
         if scatter.pays(self.profile.allreduce, self.profile.broadcast, [sum(p.numel() for p in ps) for ps in owned]):
             self.grad_owned = owned
             logger.info(
-                "the gradients of %d layers go to their owners alone; %d of %d buckets of updates gathered from them",
-                sum(slot.owner != EVERY_RANK for slot in self.slots[::2]),
-                len(self.gathered),
-                len(self.update_buckets),
+                "the gradients of %d layers go to their owners alone", sum(o != EVERY_RANK for o in self.owners[::2])
             )
 
     def _schedule(self, ready: dict[str, float] | None = None) -> None:
