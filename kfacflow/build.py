@@ -142,21 +142,15 @@ def check_stages(names: Stages) -> None:
     Raises:
         UserError: Naming the key to change.
     """
-    if (
-        names.preconditioned
-        and registry.FACTOR_SYNCS.get(names.factor_sync).to_owner
-        and not registry.BROADCASTS.get(names.broadcast).update
-    ):
+    if not names.preconditioned or registry.BROADCASTS.get(names.broadcast).update:
+        return  # owners precondition their layers: factors and gradients may stay with them
+    if registry.FACTOR_SYNCS.get(names.factor_sync).to_owner:
         raise UserError(
             f"kfac.factor_sync={names.factor_sync} leaves each factor on its owner alone, but "
             f"kfac.broadcast={names.broadcast} sends inverses that every rank applies; set kfac.broadcast=update "
             "or fused_update, or kfac.factor_sync=allreduce."
         )
-    if (
-        names.preconditioned
-        and registry.GRAD_SYNCS.get(names.grad_sync).to_owner
-        and not registry.BROADCASTS.get(names.broadcast).update
-    ):
+    if registry.GRAD_SYNCS.get(names.grad_sync).to_owner:
         raise UserError(
             f"kfac.grad_sync={names.grad_sync} leaves each layer's gradients on its owner alone, but "
             f"kfac.broadcast={names.broadcast} has every rank precondition every layer; set kfac.broadcast=update "

@@ -325,11 +325,7 @@ class Routing:
             counts = [sizes.get(r, 0) for r in range(self.world_size)]
             in_rank_order = [k for _, part in sorted(owned, key=lambda p: p[0]) for k in part]
             options.append((scatter.cost(self.reduce, counts) + rest, [(SCATTER, in_rank_order), *shared]))
-        best = options[0]
-        for option in options[1:]:
-            if option[0] < best[0]:
-                best = option
-        return best[1]
+        return min(options, key=lambda option: option[0])[1]  # the first of equals: all-reduce before the rest
 
 
 class Communicator:

@@ -515,7 +515,7 @@ class KFACPreconditioner:
                     if from_owners and src == rank:
                         mine[layer.name] = stage.contribution(update, grad)
                 if layer.name in self.update_buckets:
-                    posted += self._post_bucket(layer.name, live, updates)
+                    posted += self._post_bucket(layer.name, live, updates, owner)
                 elif grad is not None and src != EVERY_RANK and layer.name not in bucketed:
                     if src != rank:
                         updates[layer.name] = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
@@ -545,7 +545,7 @@ class KFACPreconditioner:
         return updates, [received[n] if n in received else stage.contribution(updates[n], g) for n, g in live.items()]
 
     def _post_bucket(
-        self, key: str, live: dict[str, Tensor], updates: dict[str, Tensor]
+        self, key: str, live: dict[str, Tensor], updates: dict[str, Tensor], owner: dict[str, int]
     ) -> list[tuple[list[str], Handle]]:
         """Send the owners' updates of one bucket to every rank in one collective; return its layers in its order.
 
@@ -558,7 +558,6 @@ class KFACPreconditioner:
         gather = key in self.gathered
         if not names:
             return []
-        owner = {slot.layer.name: slot.owner for slot in self.slots}
         first = live[names[0]]
         with self.timer.span("InverseComm"):
             if gather:
