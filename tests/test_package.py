@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -17,13 +18,33 @@ def _run(*cmd: str | Path, cwd: Path, timeout: float = 300) -> subprocess.Comple
     return subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def _venv_seeing_this_interpreter(venv: Path, cwd: Path) -> Path:
+    """Make a venv that sees the packages of the interpreter running the tests, whatever it is.
+
+    ``--system-site-packages`` would give the *base* interpreter's packages even when the tests run
+    in a venv (setuptools 65 without ``wheel``, no torch, on a fresh machine), so the running
+    interpreter's own site folders go in a ``.pth`` file instead. Plain paths there add no ``.pth``
+    files of their own: this checkout's editable install stays out, and ``kfacflow`` can only come
+    from the copy installed into the new venv.
+    """
+    made = _run(sys.executable, "-m", "venv", "--without-pip", venv, cwd=cwd)
+    assert made.returncode == 0, made.stderr
+    python = venv / "bin" / "python"
+    site_dir = Path(
+        _run(python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))", cwd=cwd).stdout.strip()
+    )
+    assert site_dir.is_relative_to(venv), site_dir
+    here = [*site.getsitepackages(), site.getusersitepackages()]
+    (site_dir / "_tests_parent.pth").write_text("".join(f"{d}\n" for d in here if Path(d).is_dir()))
+    return python
+
+
 def test_the_package_installs_into_a_fresh_venv_and_trains_by_recipe_name(tmp_path: Path) -> None:
     venv = tmp_path / "venv"
-    # The system's packages (torch and the rest, pip and setuptools too) are reused; the package
-    # itself is built offline. (A venv's own pip would bring a setuptools too old to build wheels.)
-    made = _run(sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv, cwd=tmp_path)
-    assert made.returncode == 0, made.stderr
-    python, command = venv / "bin" / "python", venv / "bin" / "kfacflow"
+    # torch and the rest come from the interpreter running the tests (a venv or not); the package
+    # itself is built offline with its setuptools (>= 70.1 builds wheels without the `wheel` package).
+    python = _venv_seeing_this_interpreter(venv, tmp_path)
+    command = venv / "bin" / "kfacflow"
     pip = _run(python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", ROOT, cwd=tmp_path)
     assert pip.returncode == 0, pip.stderr
     elsewhere = tmp_path / "elsewhere"  # no recipes/ here: the recipe comes from the installed package
