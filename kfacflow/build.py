@@ -261,13 +261,15 @@ def preconditioner(
     profile: Profile | None = None,
     timer: StepTimer | None = None,
     accumulate: int = 1,
+    batch_dim: int = 0,
 ) -> KFACPreconditioner:
     """Build K-FAC for ``model`` from the ``kfac`` section of a recipe (its variant must precondition)."""
     load_plugins()
     names = resolve(cfg)
     check_device(names, backend.device)
     planning = profile.for_method(names.inverse) if profile is not None else None
-    return KFACPreconditioner(model, cfg, stages(cfg, names, profile), backend, planning, timer, accumulate)
+    built = stages(cfg, names, profile)
+    return KFACPreconditioner(model, cfg, built, backend, planning, timer, accumulate, batch_dim)
 
 
 def deferred_gradients(names: Stages, world_size: int) -> bool:
@@ -343,6 +345,10 @@ def training(cfg: DictConfig, backend: Backend, run_dir: Path, timer: StepTimer)
     check_shard(len(train_set), world, cfg.data.batch_size, accumulate)  # type: ignore[arg-type]
     seed_all(cfg.train.seed)  # identical initial weights on every rank
     model = build_model(cfg.model.name, info.num_classes, info.channels).to(backend.device, dtype)
+    if cfg.train.channels_last:  # the trainer sends the images in the same format
+        model = model.to(memory_format=torch.channels_last)
+    if backend.device.type == "cuda":
+        torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
     names = resolve(cfg.kfac)
     state = _read_resume(cfg, model, world, names) if cfg.resume else None
     kfac = None

@@ -11,6 +11,7 @@ from pathlib import Path
 from kfacflow import UserError, __version__, build, did_you_mean, registry
 from kfacflow.config import load, shipped_recipes, to_yaml
 from kfacflow.launch import PROGRAM_VAR
+from kfacflow.usercode import UserCodeError
 
 USAGE = """Train a recipe. Recipes merge left to right, then key.sub=value overrides apply. A recipe is
 a YAML file or the name of one the package ships (see --list recipe).
@@ -89,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         if export is not None and not args.recipes and len(args.overrides) == 1:
             from kfacflow.rundir import export_weights
 
+            if not export.strip():  # Path("") is the working folder
+                raise UserError("export= is empty; give the run folder a run printed on its last line.")
             if not Path(export).is_dir():
                 raise UserError(f"export: {export!r} is not a run folder; give the folder a run printed at its end.")
             print(export_weights(Path(export)), flush=True)
@@ -124,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             print(results[0], flush=True)
         return 0
     except UserError as err:
+        if isinstance(err, UserCodeError):
+            err.print_cause()
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:

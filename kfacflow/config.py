@@ -72,6 +72,16 @@ def within(low: float, high: float, hint: str = "", high_text: str = "") -> dict
     return {"range": Range(low, high=high, high_text=high_text, hint=hint)}
 
 
+CORES = os.cpu_count() or 1
+"""This machine's CPU cores. A worker may start at most this many threads or loader processes: more only wait
+for a core (and a pool of thousands dies in the threading library); every machine of a job checks its own."""
+
+
+def up_to_cores(hint: str) -> dict[str, Range]:
+    """Field metadata: a count from 0 to :data:`CORES`; ``hint`` says what 0 means."""
+    return within(0, CORES + 1, f"{hint}; this machine has {CORES} CPU cores")
+
+
 @dataclass
 class ModelConfig:
     """Which network to train."""
@@ -104,7 +114,15 @@ class DataConfig:
     """Validation samples of the synthetic dataset."""
     augment: bool = True
     """Random crops and flips on training images (cifar10, imagefolder)."""
-    workers: int = field(default=0, metadata=at_least(0, "0 loads data in the training process"))
+    workers: int = field(
+        default=0,
+        metadata=within(
+            0,
+            4 * CORES + 1,
+            f"0 loads data in the training process; this machine has {CORES} CPU cores, and loaders waiting on "
+            "files may outnumber them (up to four per core)",
+        ),
+    )
     """DataLoader worker processes per training process."""
 
 
@@ -128,6 +146,15 @@ class TrainConfig:
     """Steps between checkpoints; 0 checkpoints at the end of each epoch only."""
     keep_checkpoints: int = field(default=2, metadata=at_least(0, "0 keeps every checkpoint"))
     """Newest checkpoints kept on disk; 0 keeps every checkpoint."""
+    save: bool = True
+    """Write checkpoints; ``false`` writes none, not even the final one (benchmarks: a ResNet-50 K-FAC checkpoint
+    is about 1 GB), so the run cannot be resumed and a SIGTERM stops it without one."""
+    channels_last: bool = False
+    """Hold the model's 4-D weights and the input images in the channels-last memory format (NHWC), which
+    cuDNN's tensor-core convolutions prefer under mixed precision; the results are the same."""
+    cudnn_benchmark: bool = True
+    """On CUDA, let cuDNN time its convolution algorithms for each new input shape and keep the fastest
+    (``torch.backends.cudnn.benchmark``); ``false`` takes its heuristic's choice. No effect on CPU."""
     progress: bool = True
     """Show a progress bar on rank 0 (where the output is not a terminal: a plain line every ``log_every`` steps)."""
     metrics: Literal["none", "csv", "jsonl"] = "none"
@@ -201,7 +228,7 @@ class LaunchConfig:
 
     nproc: int = field(default=1, metadata=at_least(1, "workers to start on this machine"))
     """Local workers; 1 runs in this process. Ignored under torchrun/horovodrun."""
-    threads: int = field(default=0, metadata=at_least(0, "0 means: the default"))
+    threads: int = field(default=0, metadata=up_to_cores("0 means: the default"))
     """Intra-op threads per worker; 0 takes OMP_NUM_THREADS if set, else divides the cores among local workers."""
 
 
@@ -216,7 +243,9 @@ class DistConfig:
     engine: Literal["auto", "nccl", "gloo"] = "auto"
     """torch.distributed's engine (``dist.backend=torch``): ``auto`` is NCCL on CUDA and gloo on CPU. NCCL refuses
     two ranks on one GPU: ``gloo`` carries CUDA tensors too (through the host), for that case and for tests."""
-    timeout_s: int = field(default=300, metadata=at_least(1, "seconds a collective may wait"))
+    timeout_s: int = field(
+        default=300, metadata=within(1, 10**9, "seconds a collective may wait; 10**9 is 31 years", "10**9")
+    )
     """Seconds a collective may wait before the job fails instead of hanging."""
 
 
@@ -477,6 +506,8 @@ def load(recipes: list[str], overrides: list[str]) -> DictConfig:
                 f"override {item!r} does not parse ({str(err).splitlines()[0]}); quote YAML's special "
                 "characters, e.g. kfac.skip=['*']."
             ) from None
+        if item.partition("=")[0] == "resume" and not item.partition("=")[2].strip():
+            _empty_resume()  # parsed, it reads as no resume at all: a fresh run where one was to go on
     dot = OmegaConf.from_dotlist(overrides)
     resume = dot.get("resume") if not recipes else None
     if resume:
@@ -517,6 +548,13 @@ def _check_name(name: str) -> None:
         )
 
 
+def _empty_resume() -> None:
+    raise UserError(
+        "resume= is empty; give the run folder a run printed on its last line, e.g. "
+        "resume=runs/quickstart/20261129-120000 (leave resume out to start a new run)."
+    )
+
+
 def check(cfg: DictConfig) -> None:
     """The rules the types alone cannot express: ranges, the run's name, rules across keys.
 
@@ -528,6 +566,8 @@ def check(cfg: DictConfig) -> None:
     """
     _check_ranges(cfg, RunConfig)
     _check_name(cfg.name)
+    if cfg.resume is not None and not cfg.resume.strip():
+        _empty_resume()
     if len(cfg.optim.betas) != 2:
         raise UserError(
             f"optim.betas takes two numbers in [0, 1), e.g. optim.betas=[0.9,0.999]; got {cfg.optim.betas}."

@@ -87,9 +87,24 @@ def check_replicas(model: nn.Module, optimizer: torch.optim.Optimizer, backend: 
     )
     with torch.no_grad():
         for p in params:
-            backend.broadcast_async(p.data, 0).wait()
+            take_rank0(p.data, backend)
         for state in optimizer.state.values():
             for value in state.values():
                 if isinstance(value, Tensor):
-                    backend.broadcast_async(value, 0).wait()
+                    take_rank0(value, backend)
     return len(differ)
+
+
+def take_rank0(tensor: Tensor, backend: Backend) -> None:
+    """Overwrite ``tensor`` with rank 0's copy in place (collective), wherever it lives.
+
+    A tensor off the engine's device (AdamW's ``step`` is a CPU tensor beside CUDA parameters, and
+    NCCL takes CUDA tensors only) travels through a copy on that device and comes back to its own
+    device and dtype: the optimizer keeps the very tensor it had.
+    """
+    if tensor.device == backend.device:
+        backend.broadcast_async(tensor, 0).wait()
+        return
+    moved = tensor.to(backend.device)
+    backend.broadcast_async(moved, 0).wait()
+    tensor.copy_(moved)

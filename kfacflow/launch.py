@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kfacflow import StorageError, TrainingError, UserError
+from kfacflow.config import CORES
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,30 @@ MPI_RANK_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 """Where horovodrun and MPI launchers put a process's rank."""
 RANK_VARS = ("RANK", *MPI_RANK_VARS)
 """Where any supported launcher (torchrun first) puts a process's rank."""
+LOCAL_RANK_VARS = (
+    "LOCAL_RANK",  # torchrun
+    "SLURM_LOCALID",  # srun
+    "HOROVOD_LOCAL_RANK",
+    "OMPI_COMM_WORLD_LOCAL_RANK",  # Open MPI
+    "MV2_COMM_WORLD_LOCAL_RANK",  # MVAPICH2
+    "MPI_LOCALRANKID",  # MPICH and Intel MPI (Hydra)
+    "PMI_LOCAL_RANK",  # Cray PALS
+)
+"""Where launchers put a process's index among the processes of its machine (which GPU is its own)."""
+LOCAL_SIZE_VARS = (
+    "LOCAL_WORLD_SIZE",
+    "HOROVOD_LOCAL_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "MV2_COMM_WORLD_LOCAL_SIZE",
+    "MPI_LOCALNRANKS",
+    "PMI_LOCAL_SIZE",
+)
+"""Where launchers put the number of processes on this machine."""
+
+
+def from_env(names: tuple[str, ...]) -> int | None:
+    """Return the first of the variables ``names`` set to a number, or None."""
+    return next((int(os.environ[v]) for v in names if os.environ.get(v, "").strip().isdigit()), None)
 
 
 def under_mpi_launcher() -> bool:
@@ -56,11 +81,19 @@ LAUNCHERS = ("torchrun", "horovodrun", "torch.distributed.run")
 
 
 def check_environment() -> None:
-    """Refuse a launcher environment that cannot be a job: a stale or half-set ``RANK``/``WORLD_SIZE``.
+    """Refuse an environment no job can run in: a stale or half-set ``RANK``/``WORLD_SIZE``, a bad ``OMP_NUM_THREADS``.
+
+    Workers take ``OMP_NUM_THREADS`` as their thread count when ``launch.threads`` is 0, so it must be one.
 
     Raises:
         UserError: Naming the variables and what to do.
     """
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if omp and not (omp.isdigit() and 1 <= int(omp) <= CORES):
+        raise UserError(
+            f"OMP_NUM_THREADS={omp} is not a thread count from 1 to {CORES} (this machine's CPU cores); "
+            "unset it or fix it (launch.threads sets the threads of a worker)."
+        )
     rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
     if rank is None and world is None:
         return

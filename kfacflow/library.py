@@ -9,6 +9,7 @@ validated by the same schema, under a process group the user started (``torchrun
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -36,6 +37,21 @@ T = TypeVar("T", int, float)
 
 def _at(value: T | Callable[[int], T], step: int) -> T:
     return value(step) if callable(value) else value
+
+
+def _checked(name: str, value: object, step: int, integer: bool = False) -> float:
+    """``value`` if it is a finite number above zero (a whole one where ``integer``); else a UserError naming ``name``.
+
+    Every value a schedule gives is checked, not only the first: a damping that later becomes
+    zero or NaN would train on through NaN parameters, a learning rate that does would turn KL
+    clipping off.
+    """
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        number = float(value)
+        if math.isfinite(number) and number > 0 and (number.is_integer() or not integer):
+            return number
+    kind = "a whole number >= 1" if integer else "a finite number > 0"
+    raise UserError(f"{WHERE}: {name} at step {step} is {value!r}; it must be {kind}.")
 
 
 class KFACPreconditioner:
@@ -71,7 +87,12 @@ class KFACPreconditioner:
             need one and none is given.
         grad_scaler: The ``torch.amp.GradScaler`` of a float16 mixed-precision loop: G factors
             are then taken from the unscaled output gradients. Call ``scaler.unscale_(optimizer)``
-            before :meth:`step`, then ``scaler.step(optimizer)`` and ``scaler.update()``.
+            before :meth:`step`, then ``scaler.step(optimizer)`` and ``scaler.update()``. Under
+            float16 autocast without one, a warning says so once (a scaled loss would give G
+            factors ``scale^2`` too large).
+        batch_dim: The dimension of the model's first tensor input that counts the examples of
+            the batch (G undoes the batch-mean loss's ``1/N``); 1 for a model that takes
+            ``(S, N, ...)`` inputs (``batch_first=False``).
         **kfac: Any other ``kfac.*`` recipe key: ``fusion``, ``placement``, ``inverse``,
             ``pipeline``, ``broadcast``, ``grad_sync``, ``factor_sync``, ``factor``, ``factor_decay``,
             ``kl_clip``, ``skip`` (fnmatch patterns of module names), ``profile_steps`` ...
@@ -94,6 +115,7 @@ class KFACPreconditioner:
         device: str = "auto",
         profile: str | Path | Profile | None = None,
         grad_scaler: torch.amp.GradScaler | None = None,
+        batch_dim: int = 0,
         **kfac: Any,
     ) -> None:
         if "profile" in kfac or "variant" in kfac:
@@ -108,12 +130,14 @@ class KFACPreconditioner:
             {
                 **kfac,
                 "variant": variant,
-                "damping": _at(damping, 0),
-                "factor_update_freq": _at(factor_update_freq, 0),
-                "inv_update_freq": _at(inv_update_freq, 0),
+                "damping": _checked("damping", _at(damping, 0), 0),
+                "factor_update_freq": int(_checked("factor_update_freq", _at(factor_update_freq, 0), 0, integer=True)),
+                "inv_update_freq": int(_checked("inv_update_freq", _at(inv_update_freq, 0), 0, integer=True)),
             },
             WHERE,
         )
+        if not isinstance(batch_dim, int) or isinstance(batch_dim, bool) or batch_dim < 0:
+            raise UserError(f"{WHERE}: batch_dim={batch_dim!r} must be an integer >= 0 (the inputs' batch dimension).")
         if not isinstance(accumulate, int) or accumulate < 1:
             raise UserError(f"{WHERE}: accumulate={accumulate!r} must be an integer >= 1 (backward passes per step).")
         if device not in ("auto", "cpu", "cuda"):
@@ -139,7 +163,9 @@ class KFACPreconditioner:
             self._same_start()
         dtype = next(self.model.parameters()).dtype
         planning = self._profile(profile, names, dtype) if build.needs_profile(names) else None
-        self.core = build.preconditioner(self.model, cfg, self.backend, planning, accumulate=accumulate)
+        self.core = build.preconditioner(
+            self.model, cfg, self.backend, planning, accumulate=accumulate, batch_dim=batch_dim
+        )
         self.core.grad_scaler = grad_scaler
         self.cfg = cfg
 
@@ -188,7 +214,10 @@ class KFACPreconditioner:
             lr: The learning rate of this step (default: the one given at construction).
 
         Raises:
-            UserError: No learning rate while KL clipping is on.
+            UserError: No learning rate while KL clipping is on (no default is guessed: KL clipping
+                bounds ``lr^2 v.g``, so a wrong one clips silently wrong), or a learning rate,
+                damping or interval (given, or a schedule's value at this step) that is not a
+                finite number above zero.
         """
         step = self.core.steps
         lr = lr if lr is not None else (_at(self.lr, step) if self.lr is not None else None)
@@ -196,15 +225,17 @@ class KFACPreconditioner:
             if self.cfg.kl_clip > 0:
                 raise UserError(f"{WHERE}: KL clipping needs the learning rate: step(lr=...), lr=... or kl_clip=0.")
             lr = 1.0
-        self.core.cfg.damping = float(_at(self.damping, step))
+        lr = _checked("lr", lr, step)
+        self.core.cfg.damping = _checked("damping", _at(self.damping, step), step)
         self._intervals(step)
         gradients = GradientAllreduce(self.backend, list(self.model.parameters())) if self.averages else None
         self.core.step(lr, gradients)
         self._intervals(step + 1)  # whether the next forward pass captures factors
 
     def _intervals(self, step: int) -> None:
-        factor, inverse = int(_at(self.factor_update_freq, step)), int(_at(self.inv_update_freq, step))
-        if factor < 1 or inverse < 1 or inverse % factor:
+        factor = int(_checked("factor_update_freq", _at(self.factor_update_freq, step), step, integer=True))
+        inverse = int(_checked("inv_update_freq", _at(self.inv_update_freq, step), step, integer=True))
+        if inverse % factor:
             raise UserError(
                 f"{WHERE}: at step {step}, inv_update_freq={inverse} must be a multiple of "
                 f"factor_update_freq={factor}, both >= 1."
@@ -216,8 +247,9 @@ class KFACPreconditioner:
         return self.core.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict`'s output."""
+        """Continue from :meth:`state_dict`'s output (the intervals' schedules at its step decide what comes next)."""
         self.core.load_state_dict(state)
+        self._intervals(self.core.steps)
 
     def remove(self) -> None:
         """Take the hooks off the model and close K-FAC's process groups (the job's own group stays)."""

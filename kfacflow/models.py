@@ -11,6 +11,7 @@ from torch import nn
 
 from kfacflow import UserError, did_you_mean
 from kfacflow.registry import MODELS
+from kfacflow.usercode import call_factory
 
 logger = logging.getLogger(__name__)
 
@@ -29,16 +30,23 @@ def build_model(name: str, num_classes: int, in_channels: int) -> nn.Module:
         The model, on CPU, in float32.
 
     Raises:
-        UserError: Unknown name, or a model that cannot take ``in_channels``.
+        UserError: Unknown name, a model that cannot take ``in_channels``, or one with nothing to train.
+        UserCodeError: The user's own factory raised (its traceback is printed above the line).
     """
     check_name(name)
     builder = MODELS.get(name)
     if name.startswith(TIMM_PREFIX):
         model = builder(name[len(TIMM_PREFIX) :], num_classes, in_channels)
+    elif ":" in name:  # the user's module.path:factory
+        model = call_factory(MODELS.key, name, builder, "factory(num_classes, in_channels)", num_classes, in_channels)
     else:
         model = builder(num_classes, in_channels)
     if not isinstance(model, nn.Module):  # a user's factory (module.path:factory) may return anything
         raise UserError(f"model.name={name!r} returned {type(model).__name__}, not a torch.nn.Module.")
+    if not any(p.requires_grad for p in model.parameters()):  # the optimizer and DDP would refuse it
+        frozen = any(True for _ in model.parameters())
+        what = "every parameter is frozen (requires_grad=False)" if frozen else "it has no parameters"
+        raise UserError(f"model.name={name!r} has nothing to train: {what}; give it a trainable layer.")
     logger.info("model %s: %d parameters", name, sum(p.numel() for p in model.parameters()))
     return model
 

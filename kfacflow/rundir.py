@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +135,28 @@ def append_lines(path: Path, lines: list[str]) -> None:
             f.writelines(lines)
     except OSError as err:
         raise storage_error(path, err) from None
+
+
+def keep_lines(path: Path, keep: Callable[[str], bool]) -> None:
+    """Rewrite the log file ``path``, if there is one, with only its whole lines that ``keep`` accepts (atomically).
+
+    Args:
+        path: A file of lines, each ended by a newline (a last line without one was cut short: dropped).
+        keep: Takes a line without its newline.
+
+    Raises:
+        StorageError: If it cannot be read or rewritten.
+    """
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return
+    except OSError as err:
+        raise storage_error(path, err) from None
+    *whole, _cut = text.split("\n")
+    kept = "".join(f"{line}\n" for line in whole if keep(line))
+    if kept != text:
+        write_atomic(path, kept.encode())
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:

@@ -45,14 +45,27 @@ class RunLog:
         self.total = 0
         self.timings: list[dict[str, float]] = []
         """The breakdown of every step this process trained (for the means in the summary)."""
+        self.timed_steps: list[int] = []
+        """The run's step number of each of :attr:`timings` (a skipped step is not timed)."""
         self._written = 0
 
-    def open(self, step: int, total: int) -> None:
-        """Start TensorBoard (dropping events after ``step`` from an earlier life of the run) and the bar."""
+    def open(self, step: int, total: int, evaluated: bool = False) -> None:
+        """Start TensorBoard and the bar; a resume from ``step`` first drops what an earlier life logged after it.
+
+        Args:
+            step: The step the run starts from (a resume's checkpoint's; 0 for a new run).
+            total: The run's last step.
+            evaluated: Whether the checkpoint holds an evaluation at ``step`` (else one logged there is dropped).
+
+        Raises:
+            StorageError: If a log file cannot be rewritten.
+        """
         if not self.on:
             return
         from torch.utils.tensorboard import SummaryWriter
 
+        if step:
+            self._drop_after(step, evaluated)
         self.writer = SummaryWriter(str(self.run_dir), purge_step=step or None)
         self.writer.add_text("config", "```\n" + to_yaml(self.cfg) + "\n```", step)
         self.total = total
@@ -69,9 +82,38 @@ class RunLog:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{loss:.4f}", epoch=epoch)
 
-    def step_timed(self, parts: dict[str, float]) -> None:
-        """Keep one trained step's breakdown."""
+    def step_timed(self, step: int, parts: dict[str, float]) -> None:
+        """Keep the breakdown of the run's step ``step``."""
         self.timings.append(parts)
+        self.timed_steps.append(step)
+
+    def _drop_after(self, step: int, evaluated: bool) -> None:
+        """Keep the rows of timings.jsonl and metrics.* up to the checkpoint ``step``, as TensorBoard's purge_step does.
+
+        The run goes on from there and logs the later steps again. A row cut short (the process died while
+        appending it) is dropped too, so that the next row starts on a line of its own.
+        """
+
+        def kept(row_step: object, kind: object) -> bool:
+            if not isinstance(row_step, int) or isinstance(row_step, bool):
+                return False
+            return row_step < step or (row_step == step and (evaluated or not str(kind).startswith("val")))
+
+        def json_row(line: str) -> bool:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                return False
+            return isinstance(row, dict) and kept(row.get("step"), row.get("kind"))
+
+        def csv_row(line: str) -> bool:
+            cells = line.split(",")
+            if line == ",".join(METRICS):
+                return True
+            return len(cells) == len(METRICS) and cells[0].isdigit() and kept(int(cells[0]), cells[1])
+
+        for name, keep in ((TIMINGS, json_row), ("metrics.jsonl", json_row), ("metrics.csv", csv_row)):
+            rundir.keep_lines(self.run_dir / name, keep)
 
     def train_scalars(self, step: int, loss: float, acc: float, lr: float) -> None:
         """Write the training scalars and the breakdown of the steps since the last call, and append timings.jsonl.
@@ -95,7 +137,8 @@ class RunLog:
                 self.writer.add_scalar("time/images_per_s", record["images_per_s"], step)
         for part, seconds in mean.items():
             self.writer.add_scalar(f"breakdown/{part}", seconds, step)
-        lines = [json.dumps({"step": self._written + i + 1, **p}) + "\n" for i, p in enumerate(fresh)]
+        steps = self.timed_steps[self._written :]
+        lines = [json.dumps({"step": n, **p}) + "\n" for n, p in zip(steps, fresh, strict=True)]
         rundir.append_lines(self.run_dir / TIMINGS, lines)
         self._written = len(self.timings)
         self._metrics(record)
@@ -112,7 +155,7 @@ class RunLog:
             rundir.append_lines(self.run_dir / "metrics.jsonl", [json.dumps(record) + "\n"])
         elif kind == "csv":
             path = self.run_dir / "metrics.csv"
-            header = [] if path.is_file() else [",".join(METRICS) + "\n"]
+            header = [] if path.is_file() and path.stat().st_size else [",".join(METRICS) + "\n"]
             row = ",".join("" if record.get(k) is None else str(record[k]) for k in METRICS) + "\n"
             rundir.append_lines(path, [*header, row])
 

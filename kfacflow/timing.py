@@ -19,6 +19,12 @@ spans neither stall the host nor serialize the stream against communication. Onl
 (``train.timeline``, ``kfac.variant=auto``'s choice) synchronizes at every span boundary, since
 its events need host times. ``train.timing=false`` times nothing but the step's wall interval
 (the cost of timing itself can then be measured).
+
+A traced collective is timed by its future where the engine finishes the work on the host
+(gloo). An NCCL future is complete as soon as the work is queued on NCCL's stream, so there a
+traced collective is timed by CUDA events instead: one on the compute stream when it is posted
+(NCCL's stream starts it after that point) and one on a side stream made to wait for the work,
+read when the step ends.
 """
 
 from __future__ import annotations
@@ -77,6 +83,10 @@ class StepTimer:
         """CUDA spans of this step, resolved at its end: (category, start event, end event)."""
         self._passes: list[tuple[Any, Any, int, int]] = []
         """CUDA forward and backward passes: their events and the range of ``_marks`` inside them."""
+        self._transfers: list[tuple[str, str, Any, Any]] = []
+        """Traced collectives on a CUDA stream (NCCL), resolved at the end of the step: (name, lane, start, end)."""
+        self._origin_event: Any = None
+        self._side: Any = None
 
     @property
     def timing(self) -> bool:
@@ -105,9 +115,11 @@ class StepTimer:
         self.parts = defaultdict(float)
         self.tracing = trace
         self.events = []
-        self._marks, self._passes = [], []
+        self._marks, self._passes, self._transfers = [], [], []
         self._compute, self._last_pass = 0.0, (0.0, 0.0)
         self.origin = self.now()
+        # Synchronized just now: device times since this event are host times since the origin.
+        self._origin_event = _record() if self.cuda and trace else None
         if self._last_end is not None:
             self.parts["Between"] = max(0.0, self.origin - self._last_end - self._outside)
         self._outside = 0.0
@@ -183,9 +195,18 @@ class StepTimer:
         """
         if not self.tracing or not hasattr(handle, "get_future"):
             return False
+        future = handle.get_future()
+        if self.cuda and future.done():  # queued on a stream (NCCL): its callbacks would run now, at zero time
+            start = _record()
+            if self._side is None:
+                self._side = torch.cuda.Stream(self.device)
+            with torch.cuda.stream(self._side):
+                future.wait()  # the side stream waits for the work; the host and the compute stream do not
+                self._transfers.append((name, lane, start, _record()))
+            return True
         t0 = time.perf_counter()
         callback: Callable[[Any], None] = lambda _: self.record(name, lane, t0, time.perf_counter())  # noqa: E731
-        handle.get_future().add_done_callback(callback)
+        future.add_done_callback(callback)
         return True
 
     def end_step(self, total: float | None = None, grad_launch: Any = 0.0) -> dict[str, float]:
@@ -197,8 +218,9 @@ class StepTimer:
             grad_launch: When the last gradient all-reduce was launched (a :meth:`mark`). If that
                 was during the last pass, the rest of that pass waited for it: GradComm, not FF&BP.
         """
-        if self.cuda and not self.tracing and self.timing:
+        if self.cuda and (self._transfers or (not self.tracing and self.timing)):
             torch.cuda.synchronize(self.device)  # the step's one synchronization: its events are resolved
+        self._resolve_transfers()
         end = time.perf_counter()
         self._last_end = end
         total = end - self.origin + self.parts["Between"] if total is None else total
@@ -215,6 +237,13 @@ class StepTimer:
         parts["Other"] = max(0.0, total - sum(parts.values()))
         parts["total"] = total
         return parts
+
+    def _resolve_transfers(self) -> None:
+        """Record the traced collectives timed on the device, in seconds since the step's origin."""
+        for name, lane, start, stop in self._transfers:
+            t0 = self._origin_event.elapsed_time(start) / 1e3
+            self.events.append({"name": name, "lane": lane, "t0": t0, "t1": t0 + start.elapsed_time(stop) / 1e3})
+        self._transfers = []
 
     def _resolve(self, grad_launch: Any) -> float:
         """Add the step's CUDA spans and passes to the parts; return the last pass's tail after ``grad_launch``."""

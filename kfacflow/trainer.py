@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import Tensor
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
@@ -24,6 +23,7 @@ from kfacflow import StorageError, TrainingError, UserError, auto, build, rundir
 from kfacflow.build import Training
 from kfacflow.comm.base import Backend, GradientAllreduce
 from kfacflow.consistency import all_finite, check_replicas
+from kfacflow.data import cross_entropy
 from kfacflow.kfac.variants import resolve
 from kfacflow.precision import MixedPrecision
 from kfacflow.resume import checkpoint_meta
@@ -52,6 +52,8 @@ class Trainer:
         self.cfg, self.backend, self.run_dir, self.timer = cfg, backend, run_dir, timer
         self.rank, self.world = backend.rank, backend.world_size
         self.device, self.dtype, self.accumulate = backend.device, built.dtype, cfg.train.accumulate
+        self.memory_format = torch.channels_last if cfg.train.channels_last else torch.preserve_format
+        """The images' memory format, the model's (``train.channels_last``)."""
         self.model, self.net, self.kfac = built.model, built.net, built.kfac
         self.optimizer, self.scheduler = built.optimizer, built.scheduler
         self.loader, self.sampler, self.val_loader = built.loader, built.sampler, built.val_loader
@@ -148,6 +150,9 @@ class Trainer:
 
     def _checkpoint(self) -> None:
         self.repaired += check_replicas(self.model, self.optimizer, self.backend, self.step)
+        if not self.cfg.train.save:  # every rank alike: the state is gathered collectively
+            self._saved = (self.step, len(self.history))
+            return
         state = self.state_dict()
         error: StorageError | None = None
         if self.rank == 0:
@@ -155,6 +160,8 @@ class Trainer:
                 rundir.save_checkpoint(self.run_dir, self.step, state, self.cfg.train.keep_checkpoints)
             except StorageError as err:
                 error = err
+        # Slow storage is no failure: the others wait outside the collectives' timeout (dist.timeout_s).
+        self.backend.await_rank0()
         failed = self.backend.allreduce_sum(torch.tensor([float(error is not None)]))
         if failed[0] > 0:
             raise error or StorageError("rank 0 could not write the checkpoint")
@@ -168,7 +175,7 @@ class Trainer:
         A resumed run that is already finished only runs its final evaluation if that is missing.
         """
         start = time.perf_counter()
-        self.report.open(self.step, self.total)
+        self.report.open(self.step, self.total, self.evaluated)
         epoch_loss = (0.0, 0)
         while self.step < self.total:
             epoch, offset = divmod(self.step, self.steps_per_epoch)
@@ -230,12 +237,13 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         correct, samples = torch.zeros_like(loss_sum), 0
         for i, (x, y) in enumerate(batches):
-            x, y = x.to(self.device, self.dtype, non_blocking=True), y.to(self.device, non_blocking=True)
+            x = x.to(self.device, self.dtype, non_blocking=True, memory_format=self.memory_format)
+            y = y.to(self.device, non_blocking=True)
             # Gradients are averaged over ranks once: in the step's last backward pass, or after it (deferred).
             with self.backend.no_sync(self.net) if self.deferred or i < len(batches) - 1 else nullcontext():
                 with self.timer.compute("forward"), self.precision.autocast():
                     out = self._forward(x)
-                    loss = F.cross_entropy(out, y, label_smoothing=self.cfg.train.label_smoothing)
+                    loss = cross_entropy(out, y, self.cfg.data.name, label_smoothing=self.cfg.train.label_smoothing)
                 with self.timer.compute("backward"):
                     self.precision.scale(loss if len(batches) == 1 else loss / len(batches)).backward()
             loss_sum += loss.detach().double() * y.shape[0]
@@ -267,7 +275,7 @@ class Trainer:
             self.ema.update_parameters(self.model)
         self._next_step()
         parts = self.timer.end_step(grad_launch=self.backend.last_grad_launch)
-        self.report.step_timed(parts)
+        self.report.step_timed(self.step, parts)
         if self.timer.tracing:
             with self.timer.outside():
                 self._traced(parts, write=self.step == self.cfg.train.timeline, choose=choosing)
@@ -392,12 +400,12 @@ class Trainer:
             net.eval()
             sums = torch.zeros(3, dtype=torch.float64, device=self.device)
             for x, y in self.val_loader:
-                x, y = x.to(self.device, self.dtype), y.to(self.device)
+                x, y = x.to(self.device, self.dtype, memory_format=self.memory_format), y.to(self.device)
                 with self.precision.autocast():
                     out = net(x).float()
                 sums += torch.stack(
                     [
-                        F.cross_entropy(out, y, reduction="sum").double(),
+                        cross_entropy(out, y, self.cfg.data.name, reduction="sum").double(),
                         (out.argmax(1) == y).sum().double(),
                         torch.tensor(float(y.shape[0]), dtype=torch.float64, device=self.device),
                     ]

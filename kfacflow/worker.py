@@ -18,12 +18,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from kfacflow import UserError, build, rundir
 from kfacflow.config import RunConfig, to_yaml
-from kfacflow.launch import RANK_VARS, command_line, continue_command, note_failure
+from kfacflow.launch import LOCAL_SIZE_VARS, RANK_VARS, command_line, continue_command, from_env, note_failure
 from kfacflow.trainer import Trainer
+from kfacflow.usercode import UserCodeError
 
 logger = logging.getLogger(__name__)
-
-LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
 
 
 def setup_logging(rank: int) -> None:
@@ -58,6 +57,8 @@ def worker(config_yaml: str, argv: list[str], announce: bool) -> str | None:
         return _run(config_yaml, argv, announce, rank)
     except UserError as err:
         if rank == 0 or err.local:
+            if isinstance(err, UserCodeError):
+                err.print_cause()
             print(f"error: {err}", file=sys.stderr, flush=True)
         note_failure(rank, err.exit_code, secondary=False)
         raise SystemExit(err.exit_code) from None
@@ -122,7 +123,7 @@ def stop_on_signals(trainer: Any) -> Iterator[None]:
 def _run(config_yaml: str, argv: list[str], announce: bool, rank: int) -> str | None:
     cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.create(config_yaml))
     assert isinstance(cfg, DictConfig)
-    local = int(next((os.environ[v] for v in LOCAL_SIZE_VARS if v in os.environ), 1))
+    local = from_env(LOCAL_SIZE_VARS) or 1
     env_threads = int(os.environ.get("OMP_NUM_THREADS", 0) or 0)  # torchrun and cluster tools set it
     torch.set_num_threads(cfg.launch.threads or env_threads or max(1, (os.cpu_count() or 1) // local))
     command = command_line(argv)
@@ -150,20 +151,24 @@ def _run(config_yaml: str, argv: list[str], announce: bool, rank: int) -> str | 
         if trainer.stopped_by:
             raise SystemExit(128 + trainer.stopped_by)
         return None
+    cuda = backend.device.type == "cuda"
+    summary["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated(backend.device) if cuda else None
     rundir.write_summary(run_dir, summary)
     if trainer.stopped_by:
         name = signal.Signals(trainer.stopped_by).name
-        then = continue_command(run_dir, argv)
-        if trainer.finished:
+        if not cfg.train.save:
+            print(f"stopped by {name} after step {trainer.step}; no checkpoint (train.save=false).", file=sys.stderr)
+        elif trainer.finished:
             print(
                 f"stopped by {name} after step {trainer.step}, the last; checkpoint written. Its final evaluation "
-                f"did not run: {then} runs it.",
+                f"did not run: {continue_command(run_dir, argv)} runs it.",
                 file=sys.stderr,
                 flush=True,
             )
         else:
             print(
-                f"stopped by {name} after step {trainer.step}; checkpoint written. Continue with: {then}",
+                f"stopped by {name} after step {trainer.step}; checkpoint written. Continue with: "
+                f"{continue_command(run_dir, argv)}",
                 file=sys.stderr,
                 flush=True,
             )

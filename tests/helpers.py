@@ -11,13 +11,21 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from kfacflow.comm.torch_dist import TorchBackend
+from kfacflow.config import DistConfig
+
+if TYPE_CHECKING:
+    from kfacflow.trainer import Trainer
+
 ROOT = Path(__file__).resolve().parents[1]
+QUICK = str(ROOT / "recipes" / "quickstart.yaml")
 
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -116,3 +124,26 @@ def run_in_gloo(fn: Callable[..., Any], world: int, *args: Any, timeout: float =
     if errors:
         raise AssertionError("distributed test body failed:\n" + "\n".join(errors))
     return [results[r] for r in range(world)]
+
+
+def local_backend(monkeypatch: Any, device: Literal["cpu", "cuda"] = "cpu") -> TorchBackend:
+    """A one-process engine on ``device``, whatever launcher variables the tests run under."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    return TorchBackend(DistConfig(device=device))
+
+
+@contextmanager
+def recipe_trainer(out: str, overrides: list[str]) -> Iterator[Trainer]:
+    """The quickstart's trainer with ``overrides``, in this (gloo worker) process; its engine closed after."""
+    from kfacflow.config import load
+    from kfacflow.trainer import Trainer
+
+    cfg = load([QUICK], [f"out_dir={out}", *overrides])
+    backend = TorchBackend(cfg.dist)
+    run_dir = Path(out) / "run"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        yield Trainer.from_recipe(cfg, backend, run_dir)
+    finally:
+        backend.close()

@@ -13,17 +13,10 @@ from torch.utils.checkpoint import checkpoint
 
 from kfacflow import UserError, build
 from kfacflow.comm.torch_dist import TorchBackend
-from kfacflow.config import DistConfig, KFACConfig
+from kfacflow.config import KFACConfig
 from kfacflow.kfac.preconditioner import KFACPreconditioner
 
 DT = torch.float64
-
-
-@pytest.fixture
-def backend(monkeypatch: pytest.MonkeyPatch) -> TorchBackend:
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(var, raising=False)
-    return TorchBackend(DistConfig(device="cpu"))
 
 
 class Twice(nn.Module):

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import subprocess
+import sys
 import typing
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,7 @@ from helpers import last_line, run_cli
 from kfacflow import UserError
 from kfacflow.build import check_out_dir
 from kfacflow.cli import main
-from kfacflow.config import KFACConfig, RunConfig, load
+from kfacflow.config import CORES, KFACConfig, RunConfig, load
 from kfacflow.kfac.variants import resolve
 
 QUICK = "recipes/quickstart.yaml"
@@ -159,7 +160,21 @@ MISTAKES = [
     pytest.param([QUICK, "optim.momentum=-1"], ("optim.momentum=-1", "[0, 1)"), id="momentum-negative"),
     pytest.param([QUICK, "optim.momentum=1"], ("optim.momentum=1", "[0, 1)"), id="momentum-1"),
     pytest.param([QUICK, "optim.weight_decay=nan"], ("optim.weight_decay=nan", ">= 0"), id="weight-decay-nan"),
-    pytest.param([QUICK, "dist.timeout_s=0"], ("dist.timeout_s=0", ">= 1"), id="timeout-0"),
+    pytest.param([QUICK, "dist.timeout_s=0"], ("dist.timeout_s=0", "[1, 10**9)"), id="timeout-0"),
+    # Keys a library takes unchecked: gloo's clock, the thread pool, the loader's processes.
+    pytest.param([QUICK, "dist.timeout_s=10000000000000"], ("dist.timeout_s=", "[1, 10**9)"), id="timeout-huge"),
+    pytest.param(
+        [QUICK, "launch.threads=100000"], ("launch.threads=100000", f"{CORES} CPU cores"), id="threads-beyond-cores"
+    ),
+    pytest.param(
+        [QUICK, f"data.workers={4 * CORES + 1}"],
+        (f"data.workers={4 * CORES + 1}", f"{CORES} CPU cores"),
+        id="workers-beyond-cores",
+    ),
+    # An empty resume= reads as no resume at all: it must not start a fresh run.
+    pytest.param(["resume="], ("resume= is empty", "run folder"), id="resume-empty-alone"),
+    pytest.param([QUICK, "resume="], ("resume= is empty",), id="resume-empty-with-recipe"),
+    pytest.param([QUICK, "resume=''"], ("resume= is empty",), id="resume-empty-string"),
     pytest.param([QUICK, "train.seed=-1"], ("train.seed=-1", "[0, 2**63)"), id="seed-negative"),
     pytest.param([QUICK, "schedule.gamma=0"], ("schedule.gamma", "> 0"), id="gamma-0"),
     pytest.param([QUICK, "schedule.milestones=[-1]"], ("schedule.milestones[0]=-1", ">= 0"), id="milestone-negative"),
@@ -369,6 +384,240 @@ def test_undecodable_image_found_while_training_exits_2(
     rc, exc = call_main([QUICK, *SAFE, *data, f"data.workers={workers}", f"out_dir={tmp_path}/runs"])
     err = "\n".join(line for line in capsys.readouterr().err.splitlines() if line.startswith("error:"))
     assert_user_error(rc, exc, err, ("data.root=", "train/b/0.png", "cannot be read"))
+
+
+# The user's own model and data (module.path:factory): whatever they get wrong is one line naming the key.
+USER_CODE = """
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import Dataset, IterableDataset, TensorDataset
+
+from kfacflow.data import DataInfo
+
+X = torch.randn(64, 1, 2, 2)
+Y = torch.zeros(64, dtype=torch.int64)
+INFO = DataInfo(num_classes=3, channels=1, image_size=2)
+
+
+def linear(num_classes, in_channels):
+    return nn.Sequential(nn.Flatten(), nn.Linear(in_channels * 4, num_classes))
+
+
+def conv(num_classes, in_channels):
+    return nn.Sequential(nn.Conv2d(in_channels, 4, 1), nn.Flatten(), nn.Linear(16, num_classes))
+
+
+def one_argument(num_classes):
+    return linear(num_classes, 1)
+
+
+def no_parameters(num_classes, in_channels):
+    return nn.Flatten()
+
+
+def frozen(num_classes, in_channels):
+    return linear(num_classes, in_channels).requires_grad_(False)
+
+
+def model_bug(num_classes, in_channels):
+    return nn.Linear(in_channels, num_classes, bais=False)
+
+
+def sets(x=X, y=Y, val=8):
+    return TensorDataset(x, y), TensorDataset(x[:val], y[:val]), INFO
+
+
+def data(cfg):
+    return sets()
+
+
+def no_argument():
+    return sets()
+
+
+def data_bug(cfg):
+    return sets(val=cfg.val_count)
+
+
+def label_too_big(cfg):
+    return sets(y=torch.full((64,), 3))
+
+
+def label_negative(cfg):
+    return sets(y=torch.full((64,), -1))
+
+
+def float_labels(cfg):
+    return sets(y=torch.zeros(64))
+
+
+def one_hot_labels(cfg):
+    return sets(y=torch.eye(3)[Y])
+
+
+def flat_images(cfg):
+    return sets(x=X[:, 0])
+
+
+def empty_val(cfg):
+    return sets(val=0)
+
+
+def empty_train(cfg):
+    return TensorDataset(X[:0], Y[:0]), TensorDataset(X, Y), INFO
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        return zip(X, Y)
+
+
+def iterable(cfg):
+    return Stream(), Stream(), INFO
+
+
+class Arrays(Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return X[i].numpy(), 0
+
+
+def numpy_images(cfg):
+    return Arrays(), Arrays(), INFO
+
+
+class LaterLabels(Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return X[i], 0 if i == 0 else 7
+
+
+def label_too_big_later(cfg):
+    return LaterLabels(), LaterLabels(), INFO
+
+
+class Broken(Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return X[i], {}["label"]
+
+
+def getitem_bug(cfg):
+    return Broken(), Broken(), INFO
+
+
+def int32_labels(cfg):
+    return sets(y=Y.int())
+"""
+
+
+@pytest.fixture(scope="module")
+def user_code(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The module name of the user's factories, importable while the tests of this file run."""
+    folder = tmp_path_factory.mktemp("user_code")
+    (folder / "kfacflow_user_code.py").write_text(USER_CODE)
+    sys.path.insert(0, str(folder))
+    yield "kfacflow_user_code"
+    sys.path.remove(str(folder))
+    sys.modules.pop("kfacflow_user_code", None)
+
+
+def run_user_code(user_code: str, model: str, data: str, out: Path) -> tuple[int | None, BaseException | None]:
+    """One step of the quickstart on the user's model and data, in this process."""
+    own = [f"model.name={user_code}:{model}", f"data.name={user_code}:{data}"]
+    return call_main([QUICK, *SAFE, "data.batch_size=16", f"out_dir={out}", *own])
+
+
+USER_MISTAKES = [
+    pytest.param(
+        "one_argument",
+        "data",
+        ("model.name=", "factory(num_classes, in_channels)", "one_argument(num_classes)"),
+        id="model-factory-signature",
+    ),
+    pytest.param(
+        "linear", "no_argument", ("data.name=", "factory(data_cfg)", "no_argument()"), id="data-factory-signature"
+    ),
+    pytest.param("no_parameters", "data", ("model.name=", "no parameters"), id="model-without-parameters"),
+    pytest.param("frozen", "data", ("model.name=", "frozen"), id="model-all-frozen"),
+    pytest.param("linear", "label_too_big", ("data.name=", "label 3", "3 classes"), id="label-too-big"),
+    pytest.param("linear", "label_negative", ("data.name=", "label -1", "0 to 2"), id="label-negative"),
+    pytest.param("linear", "float_labels", ("data.name=", "0.0 (float)", "int class index"), id="float-labels"),
+    pytest.param("linear", "one_hot_labels", ("data.name=", "shape (3,)", "y.argmax()"), id="one-hot-labels"),
+    pytest.param(
+        "conv",
+        "flat_images",
+        ("data.name=", "shape (2, 2)", "C x H x W", "x.unsqueeze(0)"),
+        id="images-without-channels",
+    ),
+    pytest.param("linear", "numpy_images", ("data.name=", "ndarray", "not a tensor"), id="images-not-tensors"),
+    pytest.param("linear", "iterable", ("data.name=", "IterableDataset", "__getitem__"), id="iterable-dataset"),
+    pytest.param("linear", "empty_val", ("data.name=", "validation set is empty"), id="empty-validation-set"),
+    pytest.param("linear", "empty_train", ("data.name=", "training set is empty"), id="empty-training-set"),
+    pytest.param(
+        "linear", "label_too_big_later", ("data.name=", "a batch has a label", "0 to 2"), id="label-too-big-later"
+    ),
+]
+
+
+@pytest.mark.parametrize(("model", "data", "must"), USER_MISTAKES)
+def test_users_model_or_data_that_cannot_train_exits_2(
+    model: str, data: str, must: tuple[str, ...], user_code: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, exc = run_user_code(user_code, model, data, tmp_path / "runs")
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    assert_user_error(rc, exc, "\n".join(line for line in err.splitlines() if line.startswith("error:")), must)
+
+
+@pytest.mark.parametrize(
+    ("model", "data", "must"),
+    [
+        ("model_bug", "data", ("model.name=", "model_bug' raised TypeError", "bais")),
+        ("linear", "data_bug", ("data.name=", "data_bug' raised ConfigAttributeError", "val_count")),
+        ("linear", "getitem_bug", ("data.name=", "training set", "sample 0 raised KeyError", "label")),
+    ],
+    ids=["model-factory", "data-factory", "dataset-getitem"],
+)
+def test_a_bug_in_the_users_code_keeps_its_traceback_and_names_the_key(
+    model: str, data: str, must: tuple[str, ...], user_code: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, exc = run_user_code(user_code, model, data, tmp_path / "runs")
+    err = capsys.readouterr().err
+    assert exc is None and rc == 2, (rc, exc, err)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and err.rstrip().endswith(errors[0]), err  # one line, the last
+    for text in must:
+        assert text in errors[0], errors[0]
+    traceback = err[err.index("Traceback (most recent call last):") :]
+    assert f"{user_code}.py" in traceback, "the traceback shows the user's code"
+
+
+def test_integer_labels_of_any_width_train(user_code: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, exc = run_user_code(user_code, "linear", "int32_labels", tmp_path / "runs")
+    assert (rc, exc) == (0, None), capsys.readouterr().err
+
+
+def test_empty_export_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, exc = call_main(["export="])
+    assert_user_error(rc, exc, capsys.readouterr().err, ("export= is empty",))
+
+
+@pytest.mark.parametrize("value", ["abc", "4,2", "0", "100000"])
+def test_omp_num_threads_that_is_no_thread_count_exits_2(
+    value: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", value)
+    rc, exc = call_main([QUICK, *SAFE, f"out_dir={tmp_path}/runs"])
+    assert_user_error(rc, exc, capsys.readouterr().err, (f"OMP_NUM_THREADS={value}", f"1 to {CORES}"))
+    assert not (tmp_path / "runs").exists()
 
 
 @pytest.mark.parametrize(

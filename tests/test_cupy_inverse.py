@@ -293,7 +293,7 @@ def test_cuda_cupy_float64_and_retries_match_cholesky() -> None:
 def test_cuda_cupy_shares_memory_without_copies() -> None:
     cu = cupy_inverse._import()
     f = spd(64, 0, device="cuda")
-    with cupy_inverse._on_torch_stream(cu.cupy, f.device):
+    with cupy_inverse._on_torch_stream(cu, f.device):
         assert cupy_inverse._ptr(cu.cupy, f) == f.data_ptr()  # CuPy's view is torch's memory
     inv = cupy_cholesky(f, 0.01)
     assert isinstance(inv, DenseInverse) and inv.matrix.device == f.device and inv.matrix.is_contiguous()

@@ -204,3 +204,18 @@ def test_user_error_from_a_loader_worker_keeps_its_line() -> None:
     )
     assert str(UserError(text)) == "data.root='r': bad: really"
     assert str(UserError("Caught my eye")) == "Caught my eye"
+
+
+def test_every_label_of_a_tensor_dataset_is_checked() -> None:
+    from torch.utils.data import TensorDataset
+
+    from kfacflow.data import check_sets
+
+    x, y = torch.zeros(64, 1, 2, 2), torch.zeros(64, dtype=torch.int64)
+    info = DataInfo(num_classes=3, channels=1, image_size=2)
+    check_sets("mine:data", TensorDataset(x, y), TensorDataset(x, y), info)
+    y[40] = 3  # sample 0 is fine: only a look at every label finds it, at no cost for tensors in memory
+    with pytest.raises(UserError, match=r"data.name='mine:data': the validation set: sample 40 has label 3, outside"):
+        check_sets("mine:data", TensorDataset(x, y.clone().zero_()), TensorDataset(x, y), info)
+    with pytest.raises(UserError, match=r"DataInfo.channels=0 must be an int >= 1"):
+        check_sets("mine:data", TensorDataset(x, y), TensorDataset(x, y), DataInfo(3, 0, 2))

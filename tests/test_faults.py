@@ -15,7 +15,7 @@ from typing import Any, cast
 
 import pytest
 import torch
-from helpers import ROOT, last_line, run_cli, run_in_gloo
+from helpers import ROOT, last_line, recipe_trainer, run_cli, run_in_gloo
 
 from kfacflow import TrainingError, build
 from kfacflow.comm.torch_dist import TorchBackend
@@ -57,12 +57,14 @@ def _train_with_nan(rank: int, world: int, out: str, bad_steps: list[int], max_n
         summary, error = {}, str(err)
     finally:
         backend.close()
+    timings = run_dir / "timings.jsonl"
     return {
         "error": error,
         "skipped": trainer.skipped_steps,
         "step": trainer.step,
         "params": [p.detach().clone() for p in trainer.model.parameters()],
         "summary_skipped": summary.get("skipped_steps"),
+        "timed": [json.loads(line)["step"] for line in timings.read_text().splitlines()] if timings.is_file() else None,
     }
 
 
@@ -71,6 +73,7 @@ def test_nonfinite_step_is_skipped_on_every_rank_together(tmp_path: Path) -> Non
     for r in results:
         assert r["error"] is None
         assert r["skipped"] == 1 and r["summary_skipped"] == 1 and r["step"] == 6
+    assert results[0]["timed"] == [1, 2, 4, 5, 6], "timings.jsonl names each step by its number; 3 was skipped"
     for a, b in zip(results[0]["params"], results[1]["params"], strict=True):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -126,8 +129,9 @@ def test_nonfinite_factor_never_enters_the_running_average(
     pre._update_factors({"0/A": pack(good), "0/G": pack(torch.eye(2, dtype=torch.float64))})
     pre._update_factors({"0/A": pack(bad), "0/G": pack(torch.eye(2, dtype=torch.float64))})
     torch.testing.assert_close(pre.factors["0/A"], 0.5 * good)  # the NaN update was left out
+    pre._copy_finite_flags()  # the end of the step: the flags start for the host, nothing waits
     with caplog.at_level(logging.WARNING):
-        pre._warn_nonfinite()  # reported after the step, read from the device once
+        pre._warn_nonfinite()  # reported at the next step, read once
     assert "factor 0/A was non-finite at step 0" in caplog.text and "0/G" not in caplog.text
 
 
@@ -410,14 +414,7 @@ def test_resume_of_a_run_stopped_after_its_last_step_runs_the_final_evaluation(t
 
 def _drift(rank: int, world: int, out: str) -> dict[str, Any]:
     """Train 2 steps; then rank 1's parameters and momentum drift by one ulp, then become NaN."""
-    from kfacflow.trainer import Trainer
-
-    cfg = load([QUICK], [f"out_dir={out}", "train.steps=2", "train.progress=false", "kfac.variant=d"])
-    backend = TorchBackend(cfg.dist)
-    run_dir = Path(out) / "run"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        trainer = Trainer.from_recipe(cfg, backend, run_dir)
+    with recipe_trainer(out, ["train.steps=2", "train.progress=false", "kfac.variant=d"]) as trainer:
         trainer.fit()
         weight = cast(torch.nn.Linear, trainer.model.fc1).weight
         momentum = trainer.optimizer.state[weight]["momentum_buffer"]
@@ -438,8 +435,6 @@ def _drift(rank: int, world: int, out: str) -> dict[str, Any]:
         except TrainingError as err:
             error = str(err)
         return {"params": repaired, "momentum": momentum_after, "repaired": trainer.repaired, "error": error}
-    finally:
-        backend.close()
 
 
 def test_drifted_replicas_are_restored_and_non_finite_ones_stop(tmp_path: Path, caplog: Any) -> None:

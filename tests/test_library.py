@@ -135,6 +135,82 @@ def test_kl_clipping_needs_the_learning_rate(monkeypatch: pytest.MonkeyPatch) ->
     pre.remove()
 
 
+def _one_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _loop(pre: kfacflow.KFACPreconditioner, model: torch.nn.Module, steps: range) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(7)
+    batches = [
+        (torch.randn(4, 1, 8, 8, generator=gen, dtype=torch.float64), torch.tensor([0, 1, 2, 0])) for _ in range(8)
+    ]
+    for step in steps:
+        x, y = batches[step]
+        F.cross_entropy(model(x), y).backward()
+        pre.step()
+        opt.step()
+        opt.zero_grad()
+
+
+def rare_after_two(step: int) -> int:
+    return 1 if step < 2 else 4
+
+
+@pytest.mark.parametrize("reload_at", [3, 4, 5])
+def test_a_state_round_trip_continues_as_the_uninterrupted_loop_under_interval_schedules(
+    monkeypatch: pytest.MonkeyPatch, reload_at: int
+) -> None:
+    """At the reloaded step the schedules say what is captured, not their values at step 0."""
+    _one_process(monkeypatch)
+    kw: dict[str, Any] = {"lr": 0.1, "damping": 0.01, "factor_update_freq": rare_after_two}
+    kw["inv_update_freq"] = rare_after_two
+    whole = make_model()
+    pre = kfacflow.KFACPreconditioner(whole, "spd", profile=PROFILE, **kw)
+    _loop(pre, whole, range(7))
+    pre.remove()
+    first = make_model()
+    pre = kfacflow.KFACPreconditioner(first, "spd", profile=PROFILE, **kw)
+    _loop(pre, first, range(reload_at))
+    state, weights = pre.state_dict(), first.state_dict()
+    pre.remove()
+    again = make_model()
+    again.load_state_dict(weights)
+    pre = kfacflow.KFACPreconditioner(again, "spd", profile=PROFILE, **kw)
+    pre.load_state_dict(state)
+    _loop(pre, again, range(reload_at, 7))
+    for a, b in zip(again.parameters(), whole.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def zero_at_two(step: int) -> float:
+    return 0.01 if step < 2 else 0.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"damping": zero_at_two}, "damping at step 2 is 0.0; it must be a finite number > 0"),
+        ({"damping": lambda step: float("nan") if step == 2 else 0.01}, "damping at step 2 is nan"),
+        ({"damping": lambda step: "0.01" if step == 2 else 0.01}, "damping at step 2 is '0.01'"),
+        ({"lr": lambda step: -0.1 if step == 2 else 0.1}, "lr at step 2 is -0.1"),
+        ({"lr": lambda step: float("inf") if step == 2 else 0.1}, "lr at step 2 is inf"),
+        ({"factor_update_freq": lambda step: 2.5 if step == 2 else 1}, "factor_update_freq at step 2 is 2.5"),
+        ({"inv_update_freq": lambda step: 0 if step == 2 else 1}, "inv_update_freq at step 2 is 0"),
+        ({"damping": lambda step: True}, "damping at step 0 is True"),
+    ],
+)
+def test_every_value_a_schedule_gives_is_checked(
+    monkeypatch: pytest.MonkeyPatch, kwargs: dict[str, Any], message: str
+) -> None:
+    _one_process(monkeypatch)
+    model = make_model()
+    with pytest.raises(UserError, match=re.escape(message)):
+        pre = kfacflow.KFACPreconditioner(model, "d", **{"lr": 0.1, **kwargs})
+        _loop(pre, model, range(4))
+
+
 def test_the_example_trains_under_torchrun_with_two_workers() -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]

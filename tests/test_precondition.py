@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from kfacflow import build
 from kfacflow.comm.torch_dist import TorchBackend
-from kfacflow.config import DistConfig, KFACConfig
+from kfacflow.config import KFACConfig
 from kfacflow.kfac.inverse import Inverse, cholesky_inverse, eigen_inverse
 from kfacflow.kfac.packing import pack
 from kfacflow.kfac.precondition import KFACPrecondition, kl_clip_scale, precondition
@@ -173,15 +173,6 @@ def test_kfac_precondition_applies_clip(name: str) -> None:
 
 
 # --- the orchestrator, one process -----------------------------------------------------------------------
-
-
-@pytest.fixture
-def backend(monkeypatch: pytest.MonkeyPatch) -> TorchBackend:
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(var, raising=False)
-    b = TorchBackend(DistConfig(device="cpu"))
-    assert b.world_size == 1 and b.rank == 0
-    return b
 
 
 def make_model(seed: int = 0) -> nn.Sequential:

@@ -41,6 +41,8 @@ def _base_args(nproc: int, out_dir: Path) -> list[str]:
         *_threads(nproc),
         f"out_dir={out_dir}",
         "train.progress=false",
+        "train.metrics=jsonl",
+        "train.log_every=2",
     ]
 
 
@@ -95,6 +97,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     full2, full1 = _ok(first["full2"]), _ok(first["full1"])
     resume2 = _resume_folder(tmp / "resume2", full2, [RESUME_AT])
     resume1 = _resume_folder(tmp / "resume1", full1, [RESUME_AT])
+    for records in ("timings.jsonl", "metrics.jsonl"):  # as if that run had logged on past its checkpoint, to 7
+        shutil.copy(full1 / records, resume1 / records)
     corrupt1 = _resume_folder(tmp / "corrupt1", full1, [RESUME_AT, RESUME_AT + 1])
     newest = _ckpt(corrupt1, RESUME_AT + 1)
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 3])
@@ -165,6 +169,23 @@ def test_resume_two_workers_equals_uninterrupted(runs: dict[str, Any]) -> None:
 
 def test_resume_one_worker_equals_uninterrupted(runs: dict[str, Any]) -> None:
     _assert_resumed_equals_full(runs, "resume1", "full1", 1)
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_resumed_run_keeps_the_records_of_an_uninterrupted_one(runs: dict[str, Any]) -> None:
+    # resume1 held the records of all 7 steps when it resumed from step 4: the rows after 4 go, and the run logs
+    # them again, numbered as the run numbers its steps.
+    full, resumed = runs["dirs"]["full1"], runs["dirs"]["resume1"]
+    timed = [row["step"] for row in _records(resumed / "timings.jsonl")]
+    assert timed == [row["step"] for row in _records(full / "timings.jsonl")] == list(range(1, STEPS + 1))
+    a, b = _records(full / "metrics.jsonl"), _records(resumed / "metrics.jsonl")
+    assert [(r["step"], r["kind"]) for r in b] == [(r["step"], r["kind"]) for r in a]
+    assert [r["step"] for r in a if r["kind"] == "val"] == [3, 6, 7]  # evaluations before and after step 4
+    for x, y in zip(a, b, strict=True):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-10) and y["acc"] == x["acc"], (x, y)
 
 
 def test_checkpoints_are_atomic_and_kept(runs: dict[str, Any]) -> None:

@@ -114,3 +114,49 @@ def test_saved_config_reproduces_the_run(first: dict[str, Any], tmp_path: Path) 
     jb = json.loads((again / "summary.json").read_text())
     assert (jb["steps"], jb["world_size"]) == (ja["steps"], ja["world_size"])
     assert jb["val_loss"] == pytest.approx(ja["val_loss"], rel=1e-12)
+
+
+# What an earlier life of a run logged: steps 1 to 6 (evaluations at 4 and 6), then a row cut short by a crash.
+EARLIER = [(2, "train"), (4, "train"), (4, "val"), (6, "train"), (6, "val")]
+
+
+def _earlier_life(run_dir: Path) -> None:
+    timings = "".join(json.dumps({"step": s, "total": 0.5}) + "\n" for s in range(1, 7))
+    (run_dir / "timings.jsonl").write_text(timings + '{"step": 7, "to')
+    rows = [{"step": s, "kind": k, "loss": 1.0, "acc": 0.5} for s, k in EARLIER]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 7')
+    csv = ["step,kind,loss,acc,lr,step_s,images_per_s", *(f"{s},{k},1.0,0.5,,," for s, k in EARLIER), "7,tr"]
+    (run_dir / "metrics.csv").write_text("\n".join(csv))
+
+
+def _rows(path: Path) -> list[tuple[int, str]]:
+    """The (step, kind) of every row of metrics.csv (after its header) or metrics.jsonl."""
+    lines = path.read_text().splitlines()
+    if path.suffix == ".csv":
+        assert lines[0] == "step,kind,loss,acc,lr,step_s,images_per_s"
+        return [(int(line.split(",")[0]), line.split(",")[1]) for line in lines[1:]]
+    return [(json.loads(line)["step"], json.loads(line)["kind"]) for line in lines]
+
+
+@pytest.mark.parametrize("kind", ["csv", "jsonl"])
+@pytest.mark.parametrize("evaluated", [True, False])
+def test_a_resume_drops_the_rows_logged_after_its_checkpoint(tmp_path: Path, kind: str, evaluated: bool) -> None:
+    from kfacflow.config import load
+    from kfacflow.runlog import RunLog
+
+    _earlier_life(tmp_path)
+    cfg = load(["recipes/quickstart.yaml"], [f"train.metrics={kind}", "train.progress=false"])
+    log = RunLog(cfg, tmp_path, rank=0)
+    log.open(4, 10, evaluated)  # resumed from the checkpoint of step 4
+    log.step_timed(5, {"total": 0.25})
+    log.train_scalars(5, 0.75, 0.625, 0.1)
+    log.close()
+    # The evaluation at step 4 stays only if the checkpoint holds it (else the run may log it again).
+    kept = [(2, "train"), (4, "train"), *([(4, "val")] if evaluated else [])]
+    assert _rows(tmp_path / f"metrics.{kind}") == [*kept, (5, "train")]
+    other = "jsonl" if kind == "csv" else "csv"  # an earlier life may have written the other kind
+    assert _rows(tmp_path / f"metrics.{other}") == kept
+    # The run's own step numbers go on from the checkpoint: 5 follows 4.
+    timed = [json.loads(line)["step"] for line in (tmp_path / "timings.jsonl").read_text().splitlines()]
+    assert timed == [1, 2, 3, 4, 5]
+    assert not [p.name for p in tmp_path.iterdir() if ".tmp" in p.name]

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+import torch.distributed as dist
 from helpers import run_in_gloo
 
 from kfacflow.comm import scatter
@@ -85,3 +88,89 @@ def _pieces(rank: int, world: int) -> bool:
 
 def test_pieces_reach_their_owners_on_three_gloo_ranks() -> None:
     assert run_in_gloo(_pieces, 3) == [True, True, True]
+
+
+class _Recorded:
+    """A work whose ``wait()`` is logged."""
+
+    def __init__(self, work: Any, name: str, log: list[str]) -> None:
+        self.work, self.name, self.log = work, name, log
+
+    def wait(self) -> Any:
+        self.log.append(f"wait {self.name}")
+        return self.work.wait()
+
+    def get_future(self) -> Any:
+        return self.work.get_future()
+
+
+class _OneStream:
+    """torch.distributed over the real gloo group, run as NCCL runs a group: each collective done before the next.
+
+    Gloo's threads may run two works at once, so here each finishes as it is posted (as on NCCL's one stream,
+    where the next starts after it); what the caller posts and waits for, and in what order, is logged.
+    """
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(dist, name)
+        if not name.endswith("_single"):
+            return real
+
+        def post(*args: Any, **kwargs: Any) -> _Recorded:
+            work = real(*args, **kwargs)
+            work.wait()
+            self.log.append(f"post {name}")
+            return _Recorded(work, name, self.log)
+
+        return post
+
+
+def _chained(rank: int, world: int) -> dict[str, list[str]]:
+    backend = TorchBackend(DistConfig(device="cpu"))
+    logs: dict[str, list[str]] = {}
+    try:
+        assert not backend.in_order  # gloo: the host waits between the two
+        counts = [3, 0, 5]
+        flat = torch.arange(8, dtype=torch.float64) * (rank + 1)
+        start = sum(counts[:rank])
+        want = (torch.arange(8, dtype=torch.float64) * 6)[start : start + counts[rank]]
+        piece = torch.full((counts[rank],), float(rank), dtype=torch.float64)
+        every = torch.cat(backend.gather_objects(piece))
+        real = scatter.dist
+        for in_order in (False, True):
+            log: list[str] = []
+            scatter.dist = _OneStream(log)  # type: ignore[assignment]
+            try:
+                assert torch.equal(
+                    scatter.reduce_to_owners(flat.clone(), counts, rank, backend._group, in_order).wait(), want
+                )
+                backend.in_order = in_order  # what TorchBackend sets on NCCL
+                assert torch.equal(backend.gather_async(piece, counts).wait(), every)
+            finally:
+                scatter.dist = real
+            logs[str(in_order)] = log
+        return logs
+    finally:
+        backend.close()
+
+
+def test_chained_collectives_wait_between_on_gloo_only() -> None:
+    for logs in run_in_gloo(_chained, 3):
+        rs, a2a, ag = "reduce_scatter_single", "all_to_all_single", "all_gather_single"
+        assert logs["False"] == [f"post {rs}", f"wait {rs}", f"post {a2a}", f"wait {a2a}"] + [
+            f"post {a2a}",
+            f"wait {a2a}",
+            f"post {ag}",
+            f"wait {ag}",
+        ]
+        # In posting order on one stream (NCCL): both posted before anything waits, so the compute stream
+        # never waits for the group's stream between them.
+        assert logs["True"] == [f"post {rs}", f"post {a2a}", f"wait {rs}", f"wait {a2a}"] + [
+            f"post {a2a}",
+            f"post {ag}",
+            f"wait {a2a}",
+            f"wait {ag}",
+        ]

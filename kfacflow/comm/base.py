@@ -143,6 +143,13 @@ class Backend(ABC):
     def barrier(self) -> None:
         """Wait for every rank."""
 
+    def await_rank0(self) -> None:
+        """Wait for every rank, however long rank 0 takes to get here (it writes a checkpoint; storage may be slow).
+
+        No collective's timeout applies (where the engine has one). By default :meth:`barrier`.
+        """
+        self.barrier()
+
     @abstractmethod
     def close(self) -> None:
         """Release process groups."""

@@ -71,17 +71,21 @@ def pays(allreduce: LinearModel, reduce: LinearModel, counts: Sequence[int]) -> 
 
 
 class Chained:
-    """Two collectives, the second posted as soon as the first is done (what it reads).
+    """Two collectives, the second reading what the first writes.
 
-    On NCCL, waiting on the first orders the stream only, so both are posted at once and the host
-    goes on; on gloo the host waits for the first. Keeps every buffer alive until :meth:`wait`.
+    With ``in_order`` (NCCL) both are posted at once: a group's collectives run one after the
+    other on its one stream, so nothing needs to wait between them, and a ``wait()`` there would
+    make the compute stream wait for everything queued on the group's stream (in a backward hook:
+    the rest of the backward pass behind earlier factor traffic). Otherwise (gloo, whose threads
+    may run two works of a group at once) the host waits for the first before posting the second.
+    Keeps every buffer alive until :meth:`wait`.
     """
 
     def __init__(self, result: Tensor, works: list[Any], keep: list[Tensor]) -> None:
         self.result, self.works, self.keep = result, works, keep
 
     def wait(self) -> Tensor:
-        """Block until both are done; return the result."""
+        """Block until both are done (on NCCL: the current stream waits); return the result."""
         for work in self.works:
             work.wait()
         self.works, self.keep = [], []
@@ -92,31 +96,43 @@ class Chained:
         return self.works[-1].get_future()
 
 
-def reduce_to_owners(flat: Tensor, counts: Sequence[int], rank: int, group: Any) -> Chained:
-    """Sum ``flat`` over the ranks of ``group``; rank ``r`` receives its piece (``counts[r]`` elements) of the sum."""
+def _then(first: Any, in_order: bool) -> list[Any]:
+    """The works :class:`Chained` waits for once ``first`` is posted: on gloo the host waits for it here."""
+    assert first is not None
+    if in_order:
+        return [first]
+    first.wait()
+    return []
+
+
+def reduce_to_owners(flat: Tensor, counts: Sequence[int], rank: int, group: Any, in_order: bool = False) -> Chained:
+    """Sum ``flat`` over the ranks of ``group``; rank ``r`` receives its piece (``counts[r]`` elements) of the sum.
+
+    ``in_order``: the group runs its collectives in posting order (NCCL's stream): see :class:`Chained`.
+    """
     world = len(counts)
     c = chunk_size(flat.numel(), world)
     padded = torch.cat([flat, flat.new_zeros(c * world - flat.numel())]) if c * world != flat.numel() else flat
     chunk = flat.new_empty(c)
-    first = dist.reduce_scatter_single(chunk, padded, group=group, async_op=True)
-    assert first is not None
-    first.wait()
+    works = _then(dist.reduce_scatter_single(chunk, padded, group=group, async_op=True), in_order)
     from_chunk, to_chunk = splits(counts, rank)
     mine = flat.new_empty(counts[rank])
     sent = chunk[: sum(from_chunk)]
-    second = dist.all_to_all_single(mine, sent, to_chunk, from_chunk, group=group, async_op=True)
-    return Chained(mine, [second], [padded, chunk])
+    works.append(dist.all_to_all_single(mine, sent, to_chunk, from_chunk, group=group, async_op=True))
+    return Chained(mine, works, [padded, chunk])
 
 
-def gather_from_owners(piece: Tensor, counts: Sequence[int], rank: int, group: Any) -> Chained:
-    """Return every rank's piece (``counts[r]`` elements of rank ``r``), in rank order, on every rank of ``group``."""
+def gather_from_owners(piece: Tensor, counts: Sequence[int], rank: int, group: Any, in_order: bool = False) -> Chained:
+    """Return every rank's piece (``counts[r]`` elements of rank ``r``), in rank order, on every rank of ``group``.
+
+    ``in_order``: as for :func:`reduce_to_owners`.
+    """
     world, total = len(counts), sum(counts)
     c = chunk_size(total, world)
     from_chunk, to_chunk = splits(counts, rank)
     chunk = piece.new_zeros(c)
     first = dist.all_to_all_single(chunk[: sum(from_chunk)], piece, from_chunk, to_chunk, group=group, async_op=True)
-    assert first is not None
-    first.wait()
+    works = _then(first, in_order)
     out = piece.new_empty(c * world)
-    second = dist.all_gather_single(out, chunk, group=group, async_op=True)
-    return Chained(out[:total], [second], [chunk, piece])
+    works.append(dist.all_gather_single(out, chunk, group=group, async_op=True))
+    return Chained(out[:total], works, [chunk, piece])

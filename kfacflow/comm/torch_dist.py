@@ -15,21 +15,65 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from kfacflow import UserError
 from kfacflow.comm import scatter
 from kfacflow.comm.base import Backend, Done, Handle, Piece
 from kfacflow.config import DistConfig
+from kfacflow.launch import LOCAL_RANK_VARS, LOCAL_SIZE_VARS, from_env
 from kfacflow.registry import BACKENDS
 
 logger = logging.getLogger(__name__)
 
 
+def wants_cuda(choice: str) -> bool:
+    """Whether :func:`pick_device` picks a GPU for ``dist.device``."""
+    return choice == "cuda" or (choice == "auto" and torch.cuda.is_available())
+
+
 def pick_device(choice: str, local_rank: int) -> torch.device:
     """Return the device for this worker: CUDA ``local_rank`` when asked for or available, else CPU."""
-    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+    if wants_cuda(choice):
         index = local_rank % torch.cuda.device_count()  # more ranks than GPUs share them (gloo only)
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device("cpu")
+
+
+def local_rank(cfg: DistConfig, rank: int, world_size: int, joined: bool) -> int:
+    """This worker's index among the workers of its machine: which GPU is its own.
+
+    Read from the launcher's variables (:data:`~kfacflow.launch.LOCAL_RANK_VARS`); with none set,
+    0 where that cannot be wrong (one worker, one per machine, or the CPU) and the current GPU
+    where the process group is the user's own (who chose the device).
+
+    Raises:
+        UserError: Several workers on CUDA and nothing says which GPU is whose: every one would
+            take GPU 0, which NCCL refuses ("Duplicate GPU") and which would crowd gloo.
+    """
+    local = from_env(LOCAL_RANK_VARS)
+    if local is not None:
+        return local
+    if world_size == 1 or from_env(LOCAL_SIZE_VARS) == 1 or not wants_cuda(cfg.device):
+        return 0
+    if joined:
+        return torch.cuda.current_device()
+    raise UserError(
+        f"rank {rank} of {world_size} on CUDA cannot tell which GPU is its own: none of {', '.join(LOCAL_RANK_VARS)} "
+        "is set. Start the job with torchrun (it sets LOCAL_RANK), or export LOCAL_RANK as the worker's index on "
+        "its machine in the launch script (e.g. LOCAL_RANK=$SLURM_LOCALID)."
+    )
+
+
+def init_options(engine: str, device: torch.device, timeout: datetime.timedelta) -> dict[str, Any]:
+    """``init_process_group``'s arguments: NCCL is bound to this worker's GPU (its communicator is made there, now)."""
+    options: dict[str, Any] = {"timeout": timeout}
+    if engine == "nccl" and device.type == "cuda":
+        options["device_id"] = device
+    return options
+
+
+WRITE_TIMEOUT_S = 3600
+"""Seconds the other ranks wait for rank 0 to write a checkpoint (:meth:`TorchBackend.await_rank0`), at least."""
 
 
 def engine_for(choice: str, device: torch.device) -> str:
@@ -70,17 +114,21 @@ class TorchBackend(Backend):
     """
 
     reduces = True
+    in_order = False
+    """Whether the K-FAC group runs its collectives one after the other in posting order on the device (NCCL's
+    one stream a group): a collective that reads what the one before it writes is then posted without a wait."""
 
     def __init__(self, cfg: DistConfig) -> None:
         self.joined = dist.is_available() and dist.is_initialized()
         """Whether the default process group was there already (the library API: the user's own job)."""
         self.rank = dist.get_rank() if self.joined else int(os.environ.get("RANK", 0))
         self.world_size = dist.get_world_size() if self.joined else int(os.environ.get("WORLD_SIZE", 1))
-        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        self.local_rank = local_rank(cfg, self.rank, self.world_size, self.joined)
+        self.local_world_size = from_env(LOCAL_SIZE_VARS) or 1
         self.device = pick_device(cfg.device, self.local_rank)
         self._group: Any = None
         self._objects: Any = None
+        self._patient: Any = None
         self._engine = ""
         self._tag = 0
         if self.world_size > 1:
@@ -89,7 +137,7 @@ class TorchBackend(Backend):
             if self.joined:
                 engine = str(dist.get_backend())
             else:
-                dist.init_process_group(engine, timeout=timeout)
+                dist.init_process_group(engine, **init_options(engine, self.device, timeout))
             # K-FAC traffic gets its own communicator so it does not queue behind DDP's buckets.
             self._group = dist.new_group(backend=engine, timeout=timeout)
             self._engine = engine
@@ -100,7 +148,11 @@ class TorchBackend(Backend):
             # reducing to several owners is NCCL's; gathering pays on both (0.29 s).
             self.gathers = self.reduces
             self.scatters = self.reduces and engine != "gloo"
+            self.in_order = engine == "nccl"
             self._objects = dist.new_group(backend="gloo", timeout=timeout)
+            # On the host, outside any collective's timeout (NCCL's watchdog aborts the job at dist.timeout_s).
+            patient = datetime.timedelta(seconds=max(cfg.timeout_s, WRITE_TIMEOUT_S))
+            self._patient = dist.new_group(backend="gloo", timeout=patient)
             logger.debug("rank %d/%d joined (%s)", self.rank, self.world_size, engine)
 
     def allreduce_async(self, tensor: Tensor) -> Handle:
@@ -164,16 +216,16 @@ class TorchBackend(Backend):
             work = dist.reduce_scatter(mine, list(flat.split(list(counts))), group=self._group, async_op=True)
             assert work is not None
             return Piece(work, mine)
-        return scatter.reduce_to_owners(flat, counts, self.rank, self._group)
+        return scatter.reduce_to_owners(flat, counts, self.rank, self._group, self.in_order)
 
     def gather_async(self, piece: Tensor, counts: Sequence[int]) -> Handle:
         """Every rank's piece on every rank, in :func:`~kfacflow.comm.scatter.gather_from_owners`'s two steps.
 
-        On gloo the host waits for the first.
+        On gloo the host waits for the first; on NCCL both are posted at once (:attr:`in_order`).
         """
         if self.world_size == 1 or not self.gathers:
             return super().gather_async(piece, counts)
-        return scatter.gather_from_owners(piece, counts, self.rank, self._group)
+        return scatter.gather_from_owners(piece, counts, self.rank, self._group, self.in_order)
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """Wrap in DDP when there is more than one worker."""
@@ -230,12 +282,17 @@ class TorchBackend(Backend):
         if self.world_size > 1:
             dist.barrier(group=self._objects)
 
+    def await_rank0(self) -> None:
+        """Wait for every rank on a gloo group of its own, whose timeout is :data:`WRITE_TIMEOUT_S` (at least)."""
+        if self.world_size > 1:
+            dist.barrier(group=self._patient)
+
     def close(self) -> None:
         """Destroy the process groups (the K-FAC ones only, where the default group is the user's)."""
         if self.world_size > 1 and dist.is_initialized():
             if self.joined:
-                dist.destroy_process_group(self._group)
-                dist.destroy_process_group(self._objects)
+                for group in (self._group, self._objects, self._patient):
+                    dist.destroy_process_group(group)
             else:
                 dist.destroy_process_group()
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -88,6 +89,12 @@ class _LayerCapture:
         return self.g.value if self.g.parts == 1 else self.g.value * self.examples
 
 
+def _input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor | None:
+    """The input of a Linear or Conv2d call, by position or as ``input=`` (None: the module's forward will say)."""
+    x = args[0] if args else kwargs.get("input")
+    return x if isinstance(x, Tensor) else None
+
+
 def _full_precision(t: Tensor) -> torch.autocast:
     """Autocast off on ``t``'s device: a factor's products are computed in its own dtype, not the forward's."""
     return torch.autocast(t.device.type, enabled=False)
@@ -139,10 +146,18 @@ class Capture:
         self._a_order: list[str] = []
         self._g_order: list[str] = []
         self._forward_start: dict[str, float] = {}
+        self.examples: int | None = None
+        """Examples of the current forward pass (the model's batch), set by the preconditioner at its start.
+
+        G undoes the batch-mean loss's 1/N with this N, never with a layer's own leading dimension:
+        a Linear that sees ``(S, N, E)`` (``batch_first=False``) or ``(N * P, E)`` has as many
+        examples as one that sees ``(N, S, E)``. ``None`` (a Capture used without a model's hook):
+        each call's leading dimension.
+        """
         self._hooks: dict[str, list[RemovableHandle]] = {
             layer.name: [
-                layer.module.register_forward_pre_hook(self._a_hook(layer)),
-                layer.module.register_forward_hook(self._g_hook(layer)),
+                layer.module.register_forward_pre_hook(self._a_hook(layer), with_kwargs=True),
+                layer.module.register_forward_hook(self._g_hook(layer), with_kwargs=True),
             ]
             for layer in layers
         }
@@ -153,8 +168,8 @@ class Capture:
 
     # --- hooks ------------------------------------------------------------------------------------
 
-    def _a_hook(self, layer: KFACLayer) -> Callable[[nn.Module, tuple[Tensor, ...]], None]:
-        def hook(module: nn.Module, inputs: tuple[Tensor, ...]) -> None:
+    def _a_hook(self, layer: KFACLayer) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if not self.capturing(module):
                 return
             if self.micro >= self.accumulate:
@@ -164,11 +179,14 @@ class Capture:
                     "checkpointing) or an extra forward from a new micro-batch. Turn checkpointing off, or "
                     f"add {layer.name!r} to kfac.skip."
                 )
-            x = inputs[0].detach()
+            given = _input(args, kwargs)
+            if given is None:
+                return
+            x = given.detach()
             self._open = True
             cap = self.captures.setdefault(layer.name, _LayerCapture())
             if cap.a_calls == 0:
-                cap.examples += x.shape[0]
+                cap.examples += self._examples(x)
                 if layer.name not in self._a_order:
                     self._a_order.append(layer.name)
             cap.a_calls += 1
@@ -191,11 +209,14 @@ class Capture:
 
         return hook
 
-    def _g_hook(self, layer: KFACLayer) -> Callable[[nn.Module, tuple[Tensor, ...], Tensor], None]:
-        def hook(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
-            if not self.capturing(module) or not isinstance(output, Tensor) or not output.requires_grad:
+    def _g_hook(self, layer: KFACLayer) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Tensor], None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Tensor) -> None:
+            given = _input(args, kwargs)
+            if not self.capturing(module) or given is None or not isinstance(output, Tensor):
                 return
-            batch = inputs[0].shape[0]
+            if not output.requires_grad:
+                return
+            batch = self._examples(given)
             start = self._forward_start.pop(layer.name, None)
             if start is not None:
                 self.timer.record(layer.name, "forward", start, self.timer.now())
@@ -206,11 +227,7 @@ class Capture:
                 if layer.name not in self._g_order:
                     self._g_order.append(layer.name)
                 with torch.no_grad(), _full_precision(grad), self.timer.span("FactorComp", f"{layer.name}/G", "factor"):
-                    # A loss scale is a power of two: dividing by it is exact (G of the unscaled gradients).
-                    unscaled = grad.to(self.dtype)
-                    if isinstance(self.grad_scale, Tensor):
-                        unscaled = unscaled / self.grad_scale
-                    packed = pack(self.factors.g_factor(module, unscaled, batch))
+                    packed = pack(self.factors.g_factor(module, self._unscaled(grad), batch))
                 if cap.g is None:
                     cap.g = _Sum(packed, 1.0 / batch)
                 else:
@@ -221,6 +238,21 @@ class Capture:
             output.register_hook(grad_hook)
 
         return hook
+
+    def _examples(self, x: Tensor) -> int:
+        return self.examples if self.examples is not None else x.shape[0]
+
+    def _unscaled(self, grad: Tensor) -> Tensor:
+        """The output gradient without the loss scale, in the factor dtype.
+
+        Unscaled first, in at least float32, then cast: a scaled gradient cast to float16 first
+        overflows (65504 is float16's largest number), and the factor is then never averaged in.
+        A loss scale is a power of two, so the division itself is exact.
+        """
+        if not isinstance(self.grad_scale, Tensor):
+            return grad.to(self.dtype)
+        wide = torch.promote_types(grad.dtype, torch.float32)
+        return (grad.to(wide) / self.grad_scale.to(wide)).to(self.dtype)
 
     def _last_call(self, layer: KFACLayer, calls: int, micro: int) -> bool:
         """Whether this call completes the layer's factor (known only once ``uses`` is learnt)."""
@@ -320,6 +352,15 @@ class Capture:
                 for handle in self._hooks.pop(layer.name, []):
                     handle.remove()
         self.layers = [layer for layer in self.layers if layer.name in self.uses]
+
+    def drop(self, names: set[str]) -> None:
+        """Stop capturing the layers ``names`` (they left K-FAC) and remove their hooks."""
+        for name in names:
+            for handle in self._hooks.pop(name, []):
+                handle.remove()
+        self.layers = [layer for layer in self.layers if layer.name not in names]
+        if self.uses is not None:
+            self.uses = {name: n for name, n in self.uses.items() if name not in names}
 
     def remove(self) -> None:
         """Remove the hooks."""

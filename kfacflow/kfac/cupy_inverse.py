@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from kfacflow import UserError
-from kfacflow.kfac.inverse import DenseInverse, _cholesky_with_retries, cholesky_inverse, eigen_inverse, warn_once
+from kfacflow.kfac.inverse import CholeskyBased, DenseInverse, cholesky_inverse, eigen_inverse, warn_once
 from kfacflow.kfac.stages import Inverse
 from kfacflow.registry import INVERSES
 
@@ -132,27 +132,32 @@ def _cupy_for(factor: Tensor) -> _CuPy | None:
     return None
 
 
-class CupyCholesky:
+class CupyCholesky(CholeskyBased):
     """``(factor + damping I)^-1`` as ``cholesky`` computes it, with cuSOLVER's ``potrf`` and ``potrs`` through CuPy.
 
-    The damping, its tenfold raises when a factor is not numerically positive definite and the
-    eigendecomposition after them are :class:`~kfacflow.kfac.inverse.Cholesky`'s (the same helper),
-    so the result equals ``cholesky``'s to round-off. A factor CuPy cannot take (on the CPU, another
-    dtype, no CuPy) is inverted by ``cholesky`` itself, logged once: only a calibration or a tool
-    meets one, as a run that would is rejected before it starts (:func:`check_usable`).
+    The damping, its tenfold raises when a factor is not numerically positive definite, the
+    eigendecomposition after them, and the statuses read once for many factors
+    (:func:`~kfacflow.kfac.inverse.invert_all`) are :class:`~kfacflow.kfac.inverse.Cholesky`'s (the
+    same base), so the result equals ``cholesky``'s to round-off. A factor CuPy cannot take (on the
+    CPU, another dtype, no CuPy) is inverted by ``cholesky`` itself, logged once: only a calibration
+    or a tool meets one, as a run that would is rejected before it starts (:func:`check_usable`).
     """
 
     result: type[Inverse] = DenseInverse
 
-    def __call__(self, factor: Tensor, damping: float) -> Inverse:
-        """Return the damped inverse of ``factor`` as a :class:`~kfacflow.kfac.inverse.DenseInverse`."""
-        cu = _cupy_for(factor)
-        if cu is None:
-            return cholesky_inverse(factor, damping)
-        chol = _cholesky_with_retries(factor, damping, functools.partial(_potrf, cu))
-        if chol is None:
-            return DenseInverse(eigen_inverse(factor, damping).dense())
-        return DenseInverse(_potrs_identity(cu, chol))
+    def factorize(self, matrix: Tensor) -> tuple[Tensor, Tensor]:
+        """Factor ``matrix`` in place with cuSOLVER's ``potrf``, status unread (torch's, where CuPy cannot)."""
+        cu = _cupy_for(matrix)
+        return cholesky_inverse.factorize(matrix) if cu is None else _potrf(cu, matrix)
+
+    def from_cholesky(self, chol: Tensor) -> Inverse:
+        """``potrs`` against the identity, from :meth:`factorize`'s result."""
+        cu = _cupy_for(chol)
+        return cholesky_inverse.from_cholesky(chol) if cu is None else DenseInverse(_potrs_identity(cu, chol))
+
+    def fallback(self, factor: Tensor, damping: float) -> Inverse:
+        """The eigendecomposition's inverse, as ``cholesky``'s."""
+        return DenseInverse(eigen_inverse(factor, damping).dense())
 
 
 cupy_cholesky = CupyCholesky()

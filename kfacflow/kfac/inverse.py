@@ -21,6 +21,7 @@ from kfacflow.registry import INVERSES
 __all__ = [
     "Cholesky",
     "CholeskyFactor",
+    "CholeskyBased",
     "CholeskyFactorInverse",
     "DenseInverse",
     "Eigen",
@@ -29,6 +30,7 @@ __all__ = [
     "cholesky_factor",
     "cholesky_inverse",
     "eigen_inverse",
+    "invert_all",
 ]
 
 logger = logging.getLogger(__name__)
@@ -190,14 +192,18 @@ def warn_once(message: str) -> None:
 
 
 def _cholesky_with_retries(
-    factor: Tensor, damping: float, factorize: Callable[[Tensor], tuple[Tensor, Tensor]] = torch.linalg.cholesky_ex
+    factor: Tensor,
+    damping: float,
+    factorize: Callable[[Tensor], tuple[Tensor, Tensor]] = torch.linalg.cholesky_ex,
+    boosts: tuple[int, ...] = RETRY_BOOSTS,
 ) -> Tensor | None:
     """The Cholesky factor of ``factor + damping I``, the damping raised tenfold twice if needed; None if it fails.
 
     ``factorize`` returns the factor of a matrix and its info code (0: positive definite); CuPy's
-    inverse passes cuSOLVER's (:mod:`kfacflow.kfac.cupy_inverse`).
+    inverse passes cuSOLVER's (:mod:`kfacflow.kfac.cupy_inverse`). ``boosts``: the damping's
+    multiples to try (:func:`invert_all` has tried the first already).
     """
-    for boost in RETRY_BOOSTS:
+    for boost in boosts:
         chol, info = factorize(_damped(factor, damping * boost))
         if int(info) == 0:
             if boost != 1:
@@ -207,22 +213,80 @@ def _cholesky_with_retries(
     return None
 
 
-class Cholesky:
-    """``(factor + damping I)^-1`` through a Cholesky factorisation (half LU's flops).
+class CholeskyBased:
+    """An inverse made from the Cholesky factor of ``factor + damping I``, with retries and a fallback.
 
     A factor whose large eigenvalues make the damping vanish in round-off is not numerically
     positive definite. Then the damping is raised tenfold, twice, and if that fails too the
     eigendecomposition (with negative eigenvalues clamped) gives the inverse; this is logged
     once per process. Every rank that inverts the same factor takes the same path.
+
+    A subclass says how a factorization is made (:meth:`factorize`, without reading its status),
+    what becomes of a successful one (:meth:`from_cholesky`) and of a failed one
+    (:meth:`fallback`); :func:`invert_all` reads the statuses of many at once.
+    """
+
+    result: type[Inverse]
+
+    def factorize(self, matrix: Tensor) -> tuple[Tensor, Tensor]:
+        """Return the lower Cholesky factor of ``matrix`` and its status on the device (0: positive definite)."""
+        chol, info = torch.linalg.cholesky_ex(matrix)
+        return chol, info
+
+    def from_cholesky(self, chol: Tensor) -> Inverse:
+        """Return the inverse of a successful factorization (no status read)."""
+        raise NotImplementedError
+
+    def fallback(self, factor: Tensor, damping: float) -> Inverse:
+        """Return the inverse of a factor that stayed indefinite under every damping boost."""
+        raise NotImplementedError
+
+    def __call__(self, factor: Tensor, damping: float) -> Inverse:
+        """Return the damped inverse of ``factor``."""
+        return invert_all(self, [factor], damping)[0]
+
+
+def invert_all(invert: Callable[[Tensor, float], Inverse], factors: list[Tensor], damping: float) -> list[Inverse]:
+    """Invert every factor; a Cholesky-based method factors them all first and reads their statuses once.
+
+    On a GPU each read of a status waits for everything queued before it: one read for the lot,
+    instead of one per factor, lets the work of every factorization queue up. The rare factor
+    that is not positive definite retries with more damping on its own.
+    """
+    if not isinstance(invert, CholeskyBased) or not factors:
+        return [invert(factor, damping) for factor in factors]
+    firsts = [invert.factorize(_damped(factor, damping)) for factor in factors]
+    good = torch.stack([info.reshape(()) for _, info in firsts]).eq(0).tolist()  # the one read
+    out: list[Inverse] = []
+    for factor, (chol, _), ok in zip(factors, firsts, good, strict=True):
+        if not ok:
+            retried = _cholesky_with_retries(factor, damping, invert.factorize, RETRY_BOOSTS[1:])
+            if retried is None:
+                out.append(invert.fallback(factor, damping))
+                continue
+            chol = retried
+        out.append(invert.from_cholesky(chol))
+    return out
+
+
+class Cholesky(CholeskyBased):
+    """``(factor + damping I)^-1`` through a Cholesky factorisation (half LU's flops), as a dense matrix.
+
+    On CUDA the inverse is ``cholesky_solve`` against the identity, made exactly symmetric:
+    ``cholesky_inverse`` checks its own status, one more wait for the device per factor.
     """
 
     result: type[Inverse] = DenseInverse
 
-    def __call__(self, factor: Tensor, damping: float) -> Inverse:
-        """Return the damped inverse of ``factor`` as a :class:`DenseInverse`."""
-        chol = _cholesky_with_retries(factor, damping)
-        if chol is not None:
+    def from_cholesky(self, chol: Tensor) -> Inverse:
+        """Return ``(L L^T)^-1`` as a :class:`DenseInverse`."""
+        if not chol.is_cuda:
             return DenseInverse(torch.cholesky_inverse(chol))
+        x = torch.cholesky_solve(torch.eye(chol.shape[0], dtype=chol.dtype, device=chol.device), chol)
+        return DenseInverse(torch.add(x, x.T).mul_(0.5))
+
+    def fallback(self, factor: Tensor, damping: float) -> Inverse:
+        """The eigendecomposition's inverse, as a dense matrix."""
         return DenseInverse(eigen_inverse(factor, damping).dense())
 
 
@@ -240,7 +304,7 @@ class Eigen:
         return EigenInverse(q, 1.0 / (evals.clamp(min=0.0) + damping))
 
 
-class CholeskyFactor:
+class CholeskyFactor(CholeskyBased):
     """``(factor + damping I)^-1`` as the Cholesky factor of ``factor + damping I`` (no explicit inverse).
 
     A factor that is not numerically positive definite gets the damping raised tenfold, twice,
@@ -250,12 +314,12 @@ class CholeskyFactor:
 
     result: type[Inverse] = CholeskyFactorInverse
 
-    def __call__(self, factor: Tensor, damping: float) -> Inverse:
-        """Return the Cholesky factor of ``factor + damping I`` as a :class:`CholeskyFactorInverse`."""
-        chol = _cholesky_with_retries(factor, damping)
-        if chol is not None:
-            # Row-major, as a received copy is: the same layout rounds the same on every rank.
-            return CholeskyFactorInverse(chol.contiguous())
+    def from_cholesky(self, chol: Tensor) -> Inverse:
+        """Keep ``L`` itself, row-major as a received copy is: the same layout rounds the same on every rank."""
+        return CholeskyFactorInverse(chol.contiguous())
+
+    def fallback(self, factor: Tensor, damping: float) -> Inverse:
+        """The Cholesky factor of the eigendecomposition with negative eigenvalues clamped."""
         evals, q = torch.linalg.eigh(factor)
         clamped = (q * (evals.clamp(min=0.0) + damping)) @ q.T
         chol, _ = torch.linalg.cholesky_ex((clamped + clamped.T) / 2)

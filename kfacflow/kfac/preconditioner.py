@@ -16,11 +16,12 @@ from kfacflow.comm.base import Backend, GradientAllreduce, Handle, Piece
 from kfacflow.config import KFACConfig
 from kfacflow.kfac.capture import Capture
 from kfacflow.kfac.fusion import Communicator, Routing, estimated_arrivals
-from kfacflow.kfac.inverse import Inverse, warn_once
+from kfacflow.kfac.inverse import Inverse, invert_all, warn_once
 from kfacflow.kfac.layers import KFACLayer, find_layers
-from kfacflow.kfac.packing import unpack
+from kfacflow.kfac.packing import pack, unpack
 from kfacflow.kfac.placement import by_layer, gathers, layer_order, schedule, update_buckets
 from kfacflow.kfac.stages import EVERY_RANK, FactorSlot, StageSet
+from kfacflow.kfac.watch import Claims, examples, fp16_autocast, trained
 from kfacflow.perf import Profile
 from kfacflow.timing import StepTimer
 
@@ -38,6 +39,12 @@ class _Send:
     flat: Tensor
     handle: Handle
     keep: bool
+
+
+def _change(was: tuple[bool, bool], now: tuple[bool, bool]) -> str:
+    if not now[0]:
+        return "frozen (left to the optimizer)"
+    return "bias frozen" if was[1] else "bias trained again (its A factor restarts)"
 
 
 def dtypes(cfg: KFACConfig, parameters: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
@@ -69,9 +76,12 @@ class KFACPreconditioner:
         profile: Performance models (the placement and the schedule of inversions use them).
         timer: Where stage times and (when tracing) per-layer events go.
         accumulate: Forward/backward passes (micro-batches) per step, each loss divided by it.
+        batch_dim: The dimension of the model's first tensor input that counts its examples (the
+            ``N`` of the batch-mean loss, which G undoes: :mod:`kfacflow.kfac.watch`).
 
     Raises:
-        UserError: If the model has no layer K-FAC can precondition.
+        UserError: If the model has no layer K-FAC can precondition, or another preconditioner
+            already hooks one of its layers.
     """
 
     def __init__(
@@ -83,6 +93,7 @@ class KFACPreconditioner:
         profile: Profile | None = None,
         timer: StepTimer | None = None,
         accumulate: int = 1,
+        batch_dim: int = 0,
     ) -> None:
         self.cfg = cfg
         self.stages = stages
@@ -96,11 +107,18 @@ class KFACPreconditioner:
                 "kfac: the model has no Linear or Conv2d layer K-FAC can precondition "
                 "(check kfac.skip, or use kfac.variant=sgd)."
             )
+        self.claims = Claims({layer.name: layer.module for layer in self.layers})
         self.factor_dtype, self.inverse_dtype = dtypes(cfg, next(self.layers[0].module.parameters()).dtype)
         self.comm = Communicator(backend, stages.fusion, self.timer)
         self.capture = Capture(self.layers, stages.factor, self.comm.push, self.timer, accumulate, self.factor_dtype)
-        self._root_hook = model.register_forward_hook(lambda module, inputs, output: self._forward_done(module))
+        self.batch_dim = batch_dim
+        self._root_hooks = [
+            model.register_forward_pre_hook(self._forward_start, with_kwargs=True),
+            model.register_forward_hook(lambda module, inputs, output: self._forward_done(module)),
+        ]
         self.steps = 0
+        self._refresh = False
+        """Update factors and invert at this step whatever the intervals say (the model's layers changed)."""
         self._gradients: GradientAllreduce | None = None
         self.running: dict[str, Tensor] = {}
         """Running averages of the factors, packed (upper triangles): half the memory and work."""
@@ -108,7 +126,9 @@ class KFACPreconditioner:
         self.held: set[str] | None = None
         """With ``kfac.factor_sync=owner``: the factors whose running averages this rank keeps."""
         self._finite: list[tuple[str, int, Tensor]] = []
-        """Whether each factor averaged since the last step was finite (key, step, flag on the device)."""
+        """Whether each factor averaged in this step was finite (key, step, flag on the device)."""
+        self._finite_copied: list[tuple[list[tuple[str, int]], Tensor, torch.cuda.Event | None]] = []
+        """Earlier steps' flags on their way to the host: keys and steps, flags, the event after their copy."""
         self._plan()
         logger.info(
             "K-FAC on %d layers (%s, %s, %s); largest factor %d; %d of %d inverses on every rank",
@@ -139,6 +159,7 @@ class KFACPreconditioner:
     def _plan(self) -> None:
         """Make a slot per factor of :attr:`layers` and decide who inverts each (again once unused layers are known)."""
         self.slots = [FactorSlot(layer, side) for layer in self.layers for side in ("A", "G")]  # type: ignore[arg-type]
+        self._trained = trained(self.layers)
         dims = [slot.dim for slot in self.slots]
         result, broadcast, world = self.stages.invert.result, self.stages.broadcast, self.backend.world_size
         if broadcast.update:  # what travels is the layer's update, once for both of its factors
@@ -245,9 +266,81 @@ class KFACPreconditioner:
     # --- stage: factor (hooks in kfacflow.kfac.capture) ------------------------------------------------
 
     def _updates_factors(self) -> bool:
-        return self.steps % self.cfg.factor_update_freq == 0
+        return self._refresh or self.steps % self.cfg.factor_update_freq == 0
+
+    def _inverts(self) -> bool:
+        return self._refresh or self.steps % self.cfg.inv_update_freq == 0
+
+    def _forward_start(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not (model.training and torch.is_grad_enabled()):
+            return
+        self.capture.examples = examples(args, kwargs, self.batch_dim)
+        if self.grad_scaler is None and fp16_autocast(self.backend.device):
+            warn_once(
+                "float16 autocast without a grad_scaler: if the loss is scaled (torch.amp.GradScaler), pass the "
+                "scaler to the preconditioner (grad_scaler=), or G is taken from gradients scale^2 too large"
+            )
+        if trained(self.layers) != self._trained:
+            self._follow_model()
+
+    def _follow_model(self) -> None:
+        """Re-plan for layers frozen (or whose bias was frozen or unfrozen) since the plan was made.
+
+        A frozen layer leaves K-FAC; a frozen bias leaves its layer's A factor (the rest of the
+        running average is exactly the weight's factor); a bias trained again restarts its layer's
+        A factor. The placement is made again and this step updates every factor and inverts, so
+        no inverse of the old plan is used. Every rank runs the same code, so every rank re-plans
+        at the same forward pass (collective where running averages are kept by their owners).
+
+        Raises:
+            UserError: Between the micro-batches of a step, or when no preconditioned layer is left.
+        """
+        if self.capture.micro:
+            raise UserError(
+                "kfac: a preconditioned layer was frozen or unfrozen between the micro-batches of a step; "
+                "change requires_grad between steps."
+            )
+        changed = [
+            (layer, was, now)
+            for layer, was, now in zip(self.layers, self._trained, trained(self.layers), strict=True)
+            if was != now
+        ]
+        kept = [layer for layer in self.layers if layer.module.weight.requires_grad]
+        if not kept:
+            raise UserError(
+                "kfac: every layer K-FAC preconditions is frozen now; remove() the preconditioner (or train some)."
+            )
+        if self.stages.factor_sync.to_owner:
+            self.running = self._gather_running()
+        for layer, (_, had_bias), (weight, bias) in changed:
+            a_key = f"{layer.name}/A"
+            self.inverses.pop(a_key, None)
+            if not weight:
+                for key in (a_key, f"{layer.name}/G"):
+                    self.running.pop(key, None)
+                    self.inverses.pop(key, None)
+            elif a_key in self.running and had_bias and not bias:
+                planned = unpack(self.running[a_key], next(slot.dim for slot in self.slots if slot.key == a_key))
+                self.running[a_key] = pack(planned[:-1, :-1])
+            else:
+                self.running.pop(a_key, None)
+        frozen = [layer for layer, _, (weight, _) in changed if not weight]
+        self.claims.release([layer.module for layer in frozen])
+        self.capture.drop({layer.name for layer in frozen})
+        logger.info(
+            "K-FAC follows the model: %s; planned again, every factor and inverse refreshed at step %d",
+            ", ".join(f"{layer.name} {_change(was, now)}" for layer, was, now in changed),
+            self.steps,
+        )
+        self.layers = kept
+        self.comm = Communicator(self.backend, self.stages.fusion, self.timer)
+        self.capture.push = self.comm.push
+        self._plan()
+        self._refresh = True
+        self.capture.active = True
 
     def _forward_done(self, model: nn.Module) -> None:
+        self.capture.examples = None  # every hook of this pass has counted them; a layer called alone counts its own
         if model.training and torch.is_grad_enabled():
             if self.grad_scaler is not None:  # the scale this forward's loss will be multiplied by
                 self.capture.grad_scale = self.grad_scaler.scale(torch.ones((), device=self.backend.device))
@@ -276,7 +369,7 @@ class KFACPreconditioner:
         self._gradients = gradients
         if gradients is not None:
             gradients.route(self.grad_owned)
-        inverting = self.steps % self.cfg.inv_update_freq == 0
+        inverting = self._inverts()
         arrivals = self._arrivals() if self._updates_factors() else iter(())
         if inverting and self.stages.pipeline.invert_on_arrival:
             sends = self._invert_on_arrival(arrivals)
@@ -284,8 +377,9 @@ class KFACPreconditioner:
             for averaged in arrivals:
                 with self.timer.span("FactorComp", f"average {len(averaged)} factors", "average"):
                     self._update_factors(averaged)
-            sends = [send for slot in self.order if (send := self._invert(slot))] if inverting else []
+            sends = self._invert(self.order) if inverting else []
         self._precondition(lr, sends, gradients)
+        self._copy_finite_flags()
         self._next_step()
 
     def skip_step(self, gradients: GradientAllreduce | None = None) -> None:
@@ -297,15 +391,16 @@ class KFACPreconditioner:
             pass
         if gradients is not None:
             gradients.wait()
-        self._next_step()
+        self._next_step(refreshed=False)
 
     def set_intervals(self, factor_update_freq: int, inv_update_freq: int) -> None:
         """Change the update intervals from this step on (schedules of the step, as the library API takes)."""
         self.cfg.factor_update_freq, self.cfg.inv_update_freq = factor_update_freq, inv_update_freq
         self.capture.active = self._updates_factors()
 
-    def _next_step(self) -> None:
+    def _next_step(self, refreshed: bool = True) -> None:
         self.steps += 1
+        self._refresh = self._refresh and not refreshed  # a skipped step refreshed nothing: the next one does
         self.capture.active = self._updates_factors()
 
     def _arrivals(self) -> Iterator[dict[str, Tensor]]:
@@ -347,7 +442,8 @@ class KFACPreconditioner:
                 new, old = averaged[key], self.running.get(key)
                 # Never blend a non-finite factor into the running average (a sum is non-finite when an
                 # element is); decided on the device, reported after the step (no read of the device here).
-                finite = torch.isfinite(new.sum())
+                # Summed in at least float32: a float16 sum of a large finite factor overflows.
+                finite = torch.isfinite(new.sum(dtype=torch.promote_types(new.dtype, torch.float32)))
                 self._finite.append((key, self.steps, finite))
                 if old is None:  # start from zero instead (where() copies: new may view the fused buffer)
                     self.running[key] = torch.where(finite, new, 0.0)
@@ -355,14 +451,30 @@ class KFACPreconditioner:
                     blend = torch.where(finite, new, old)  # before old changes
                     old.mul_(decay).add_(blend, alpha=1 - decay)
 
-    def _warn_nonfinite(self) -> None:
-        """Warn about the factors left out of their running averages since the last call (one read of the device)."""
+    def _copy_finite_flags(self) -> None:
+        """Start copying this step's finiteness flags to the host, behind the work that made them (no wait)."""
         checks, self._finite = self._finite, []
-        if not checks or bool(torch.stack([finite for _, _, finite in checks]).all()):
-            return
-        for key, step, finite in checks:
-            if not bool(finite):
-                warn_once(f"factor {key} was non-finite at step {step}; it was left out")
+        if checks:
+            flags, done = torch.stack([finite for _, _, finite in checks]), None
+            if flags.is_cuda:  # into pinned memory, so that the copy is queued instead of waited for
+                flags = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True).copy_(flags, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+            self._finite_copied.append(([(key, step) for key, step, _ in checks], flags, done))
+
+    def _warn_nonfinite(self) -> None:
+        """Warn about the factors left out of their running averages at earlier steps.
+
+        Their flags were copied at the end of their step (:meth:`_copy_finite_flags`): reading them
+        waits for that copy only, not for the work queued since (this step's backward pass, on CUDA).
+        """
+        copied, self._finite_copied = self._finite_copied, []
+        for keys, flags, done in copied:
+            if done is not None:
+                done.synchronize()
+            for (key, step), finite in zip(keys, flags.tolist(), strict=True):
+                if not finite:
+                    warn_once(f"factor {key} was non-finite at step {step}; it was left out")
 
     @property
     def factors(self) -> dict[str, Tensor]:
@@ -392,43 +504,60 @@ class KFACPreconditioner:
         if self.stages.broadcast.update:  # no inverse is sent, so no order binds the ranks: take what has come
             for group in arrivals:
                 take(group)
-                for slot in self.order:
-                    if slot.key in group:
-                        self._invert(slot)
+                self._invert([slot for slot in self.order if slot.key in group])
             return sends
+        ready: list[FactorSlot] = []
         for slot in self.order:
+            if slot.key not in arrived:  # invert what has come before waiting for more
+                sends += self._invert(ready)
+                ready = []
             while slot.key not in arrived and (averaged := next(arrivals, None)) is not None:
                 take(averaged)
-            if send := self._invert(slot):
-                sends.append(send)
+            ready.append(slot)
+        sends += self._invert(ready)
         for averaged in arrivals:  # the rest (and the communicator's bookkeeping after the last)
             take(averaged)
         return sends
 
-    def _invert(self, slot: FactorSlot) -> _Send | None:
-        """Invert ``slot`` if this rank owns it (or every rank does); post its broadcast if it is communicated."""
-        keep = False
-        mine = slot.owner in (EVERY_RANK, self.backend.rank)
-        if self.stages.broadcast.update and not mine:
-            return None  # its owner preconditions the layer and sends the update
+    def _invert(self, slots: list[FactorSlot]) -> list[_Send]:
+        """Invert the ``slots`` this rank owns (or every rank does); post the broadcasts of those communicated.
+
+        On CUDA, outside a traced step, every factor of ``slots`` is inverted before the first
+        broadcast is posted, so that the statuses of their factorizations are read once
+        (:func:`~kfacflow.kfac.inverse.invert_all`); elsewhere each broadcast follows its own
+        inverse (a read costs nothing on the CPU, and a traced step times each inverse).
+        """
+        if self.backend.device.type == "cuda" and not self.timer.tracing:
+            return self._invert_together(slots)
+        return [send for slot in slots for send in self._invert_together([slot])]
+
+    def _invert_together(self, slots: list[FactorSlot]) -> list[_Send]:
+        mine = [slot for slot in slots if slot.owner in (EVERY_RANK, self.backend.rank)]
         with torch.no_grad():
             if mine:
-                with self.timer.span("InverseComp", slot.key, "inverse"):
-                    factor = unpack(self.running[slot.key], slot.dim).to(self.inverse_dtype)
-                    inverse = self.stages.invert(factor, self.cfg.damping)
-                self.inverses[slot.key] = inverse
-                if slot.owner == EVERY_RANK or self.stages.broadcast.update:
-                    return None
-                if self.stages.broadcast.full:
-                    flat, keep = inverse.to_full(), inverse.full_exact()  # the owner's own bits travel
-                else:
-                    with self.timer.span("InverseComm", slot.key, "pack"):
-                        flat = inverse.to_flat()
-                        keep = self.stages.broadcast.owner_keeps and inverse.round_trip_exact()
+                with self.timer.span("InverseComp", mine[0].key if len(mine) == 1 else None, "inverse"):
+                    factors = [unpack(self.running[slot.key], slot.dim).to(self.inverse_dtype) for slot in mine]
+                    inverses = invert_all(self.stages.invert, factors, self.cfg.damping)
+                self.inverses.update({slot.key: inverse for slot, inverse in zip(mine, inverses, strict=True)})
+            if self.stages.broadcast.update:
+                return []  # the owners precondition their layers and send the updates
+            return [self._send(slot) for slot in slots if slot.owner != EVERY_RANK]
+
+    def _send(self, slot: FactorSlot) -> _Send:
+        """Post the broadcast of a communicated inverse: its owner's, or a buffer to receive it."""
+        keep = False
+        if slot.owner == self.backend.rank:
+            inverse = self.inverses[slot.key]
+            if self.stages.broadcast.full:
+                flat, keep = inverse.to_full(), inverse.full_exact()  # the owner's own bits travel
             else:
-                flat = torch.empty(slot.flat_size, dtype=self.inverse_dtype, device=self.running[slot.key].device)
-            with self.timer.span("InverseComm"):
-                handle = self.backend.broadcast_async(flat, slot.owner)
+                with self.timer.span("InverseComm", slot.key, "pack"):
+                    flat = inverse.to_flat()
+                    keep = self.stages.broadcast.owner_keeps and inverse.round_trip_exact()
+        else:
+            flat = torch.empty(slot.flat_size, dtype=self.inverse_dtype, device=self.backend.device)
+        with self.timer.span("InverseComm"):
+            handle = self.backend.broadcast_async(flat, slot.owner)
         self.timer.on_done(handle, f"{slot.key} from {slot.owner}", "broadcast")
         return _Send(slot, flat, handle, keep)
 
@@ -668,10 +797,13 @@ class KFACPreconditioner:
                     "(model.name or kfac.skip changed?); resume with the run's own settings, or start a new run."
                 )
         self.steps = int(state["steps"])
-        self.running = {k: v.clone() for k, v in state["factors"].items()}
+        # Onto this run's device and dtypes: a checkpoint is read onto the CPU, and may come from
+        # a run that held its factors in another dtype (kfac.factor_dtype, kfac.inverse_dtype).
+        device = self.backend.device
+        self.running = {k: v.to(device, self.factor_dtype, copy=True) for k, v in state["factors"].items()}
         held = {s.key for s in self.slots if s.owner in (EVERY_RANK, self.backend.rank)}
         self.inverses = {
-            k: Inverse.restore(kind, ts)
+            k: Inverse.restore(kind, [t.to(device, self.inverse_dtype) for t in ts])
             for k, (kind, ts) in state["inverses"].items()
             if k in held or not self.stages.broadcast.update  # with update, each rank needs its own only
         }
@@ -679,6 +811,8 @@ class KFACPreconditioner:
         self.capture.active = self._updates_factors()
 
     def remove(self) -> None:
-        """Remove the hooks."""
+        """Remove the hooks (another preconditioner may then take the model)."""
         self.capture.remove()
-        self._root_hook.remove()
+        for hook in self._root_hooks:
+            hook.remove()
+        self.claims.release()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
 
 from torch import Tensor, nn
@@ -41,16 +41,16 @@ class FactorSlot:
     side: Literal["A", "G"]
     owner: int = EVERY_RANK
     flat_size: int = 0
+    dim: int = field(init=False)
+    """Side of the square factor, as planned: a bias frozen later changes the layer, not the plan."""
+
+    def __post_init__(self) -> None:
+        self.dim = self.layer.a_dim if self.side == "A" else self.layer.g_dim
 
     @property
     def key(self) -> str:
         """``"<layer>/A"`` or ``"<layer>/G"``: how communication, checkpoints and logs name it."""
         return f"{self.layer.name}/{self.side}"
-
-    @property
-    def dim(self) -> int:
-        """Side of the square factor."""
-        return self.layer.a_dim if self.side == "A" else self.layer.g_dim
 
 
 class Inverse(ABC):
