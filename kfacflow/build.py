@@ -109,12 +109,13 @@ def check(cfg: DictConfig) -> None:
                 f"resume: {cfg.resume!r} has no checkpoint in {CHECKPOINTS}/; start a new run without resume=."
             )
     if cfg.dist.backend == "horovod":
-        _check_horovod(cfg.launch.nproc)
+        # The recipe's own mistake first: it needs no Horovod installed to be found.
         if names.preconditioned and registry.GRAD_SYNCS.get(names.grad_sync).deferred:
             raise UserError(
                 f"kfac.grad_sync={names.grad_sync} (kfac.variant={k.variant}) needs dist.backend=torch: Horovod's "
                 "optimizer averages gradients in the backward pass; set kfac.grad_sync=overlap."
             )
+        _check_horovod(cfg.launch.nproc)
     if cfg.dist.device == "cuda" and not torch.cuda.is_available():
         raise UserError("dist.device=cuda but no CUDA device is visible; use dist.device=auto or cpu.")
     check_device(names, cfg.dist.device)

@@ -54,6 +54,7 @@ def _train(rank: int, world: int, out: str, runs: dict[str, list[str]]) -> dict[
     return results
 
 
+@pytest.mark.slow
 def test_micro_batches_equal_one_larger_batch_on_two_workers(tmp_path: Path) -> None:
     runs = {
         "micro": ["data.batch_size=16", "train.accumulate=3"],

@@ -567,6 +567,7 @@ USER_MISTAKES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("model", "data", "must"), USER_MISTAKES)
 def test_users_model_or_data_that_cannot_train_exits_2(
     model: str, data: str, must: tuple[str, ...], user_code: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -620,6 +621,7 @@ def test_omp_num_threads_that_is_no_thread_count_exits_2(
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("override", "must"),
     [
@@ -639,6 +641,7 @@ def test_mistake_end_to_end(override: str, must: str, tmp_path: Path) -> None:
     assert proc.stdout.strip() == ""
 
 
+@pytest.mark.slow
 def test_error_found_by_workers_exits_2_without_traceback(tmp_path: Path) -> None:
     # 1437 digits over 2 workers is 719 each: a batch of 5000 cannot be filled (found before workers start).
     try:
@@ -718,6 +721,7 @@ def test_print_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_print_config_end_to_end(tmp_path: Path) -> None:
     proc = run_cli(QUICK, "name=mine", f"out_dir={tmp_path}/runs", "--print-config", timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -752,6 +756,7 @@ def test_variant_resolution() -> None:
     assert resolve(KFACConfig(variant="sgd")).preconditioned is False
 
 
+@pytest.mark.slow
 def test_explicit_stage_wins_in_summary(tmp_path: Path) -> None:
     proc = run_cli(
         QUICK,

@@ -101,6 +101,7 @@ def test_gloo_all_reduce_between_two_nodes(prefix: str, tmp_path: Path, capfd: p
     assert "[node 1] node 1 rank 1 sum 3.0" in err
 
 
+@pytest.mark.slow
 def test_end_to_end_quickstart(prefix: str, tmp_path: Path) -> None:
     proc = _cli("--nodes", "2", "--prefix", prefix, "--timeout", "150", "--", "run.py", "recipes/quickstart.yaml",
                 "train.steps=3", "train.progress=false", f"out_dir={tmp_path}", timeout=180)  # fmt: skip
@@ -140,6 +141,7 @@ def test_bad_arguments_exit_2() -> None:
     assert proc.returncode == 2 and "error:" in proc.stderr
 
 
+@pytest.mark.slow
 def test_rate_shapes_bandwidth(prefix: str) -> None:
     with cluster.Cluster(nodes=2, rate="200mbit", prefix=prefix) as c:
         slow = c.bandwidth(size_mb=8, iters=3)

@@ -6,6 +6,7 @@ import json
 import math
 from pathlib import Path
 
+import pytest
 from helpers import last_line, run_cli
 
 TARGET = 0.95
@@ -24,6 +25,7 @@ def epochs_to_target(recipe: str, tmp_path: Path, *extra: str) -> tuple[float, l
     return (min(reached) if reached else math.inf), curve
 
 
+@pytest.mark.slow
 def test_kfac_reaches_95_percent_before_sgd(tmp_path: Path) -> None:
     kfac, kfac_curve = epochs_to_target("recipes/quickstart.yaml", tmp_path)
     sgd_runs = [epochs_to_target("recipes/digits_sgd.yaml", tmp_path, f"optim.lr={lr}") for lr in (0.1, 0.2)]

@@ -51,6 +51,7 @@ def rel(a: Tensor, b: Tensor) -> float:
 # --- rejected before anything starts ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_cli_rejects_it_on_cpu_before_any_worker_starts(tmp_path: Path) -> None:
     proc = run_cli(
         "recipes/quickstart.yaml",

@@ -178,6 +178,7 @@ def test_imagefolder_missing(tmp_path: Path) -> None:
         check_data(DataConfig(name="imagefolder", root=str(tmp_path)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 1])
 @pytest.mark.parametrize(
     ("keep", "why"), [(100, "image file is truncated"), (0, "not an image format")], ids=["truncated", "not-an-image"]

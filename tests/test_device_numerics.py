@@ -60,6 +60,7 @@ def _widened(state: Any) -> Any:
     return state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inverse", ["cholesky", "eigen", "cholesky_factor"])
 def test_a_restored_state_continues_exactly_on_the_runs_own_dtype(
     monkeypatch: pytest.MonkeyPatch, inverse: str

@@ -103,6 +103,7 @@ def _initial_params() -> dict[str, torch.Tensor]:
     return {k: v.double() for k, v in build_model("digits_cnn", 10, 1).state_dict().items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_workers_equal_one_worker_with_double_batch(
     case: str, equivalence_runs: dict[tuple[str, int], Any]
@@ -165,6 +166,7 @@ def test_cases_really_differ(equivalence_runs: dict[tuple[str, int], Any]) -> No
         assert diff > 1e-8, f"cholesky and {other} gave the same parameters"
 
 
+@pytest.mark.slow
 def test_three_workers_with_pieces_to_owners_equal_one_worker(tmp_path: Path) -> None:
     """flow at P = 3 where the updates are gathered from several owners at once (gloo's choice)."""
     profile = tmp_path / "cheap_pieces.yaml"  # two broadcast start-ups cost less than one all-reduce's
@@ -293,6 +295,7 @@ def _assert_np_same(a: dict[str, np.ndarray], b: dict[str, np.ndarray], rtol: fl
         np.testing.assert_allclose(a[key], b[key], rtol=rtol, atol=atol, err_msg=f"{what} {key}")
 
 
+@pytest.mark.slow
 def test_kfac_in_gloo_group_ranks_agree_and_match_union(monkeypatch: pytest.MonkeyPatch) -> None:
     world = 2
     ranks = run_in_gloo(_gloo_body, world)

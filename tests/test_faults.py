@@ -68,6 +68,7 @@ def _train_with_nan(rank: int, world: int, out: str, bad_steps: list[int], max_n
     }
 
 
+@pytest.mark.slow
 def test_nonfinite_step_is_skipped_on_every_rank_together(tmp_path: Path) -> None:
     results = run_in_gloo(_train_with_nan, 2, str(tmp_path), [2], 5, timeout=180)
     for r in results:
@@ -79,6 +80,7 @@ def test_nonfinite_step_is_skipped_on_every_rank_together(tmp_path: Path) -> Non
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_too_many_nonfinite_steps_in_a_row_stop_with_a_clear_message(tmp_path: Path) -> None:
     results = run_in_gloo(_train_with_nan, 2, str(tmp_path), [1, 2, 3, 4, 5], 3, timeout=180)
     for r in results:
@@ -107,6 +109,7 @@ def _nan_input_with_batchnorm(rank: int, world: int, out: str) -> dict[str, Any]
     return {"summary": summary, "buffers": [b.clone() for b in trainer.model.buffers() if b.is_floating_point()]}
 
 
+@pytest.mark.slow
 def test_a_skipped_step_leaves_no_nan_in_batchnorm_statistics(tmp_path: Path) -> None:
     (result,) = run_in_gloo(_nan_input_with_batchnorm, 1, str(tmp_path), timeout=180)
     assert result["summary"]["skipped_steps"] == 1
@@ -172,6 +175,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_a_killed_worker_ends_the_job_without_a_hang(tmp_path: Path) -> None:
     proc = _start(tmp_path, "train.epochs=200", "train.checkpoint_every=5")
     _wait_for_checkpoint(tmp_path, proc)
@@ -192,6 +196,7 @@ def test_a_killed_worker_ends_the_job_without_a_hang(tmp_path: Path) -> None:
     assert not [w for w in workers if _alive(w)], "a worker was left running"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("nproc", "sig"), [(2, signal.SIGTERM), (1, signal.SIGINT)])
 def test_signal_writes_a_checkpoint_and_resume_equals_uninterrupted(tmp_path: Path, nproc: int, sig: int) -> None:
     common = [
@@ -252,6 +257,7 @@ def _error_lines(err: str) -> list[str]:
     return [line for line in err.splitlines() if line.startswith("error:")]
 
 
+@pytest.mark.slow
 def test_a_killed_worker_is_named_in_the_one_error_line(tmp_path: Path) -> None:
     proc = _start(tmp_path, "train.epochs=200", "train.checkpoint_every=5", "launch.nproc=2")
     _wait_for_checkpoint(tmp_path, proc)
@@ -264,6 +270,7 @@ def test_a_killed_worker_is_named_in_the_one_error_line(tmp_path: Path) -> None:
     assert "Traceback" not in err, err[-3000:]
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_worker_stops_all_with_one_line(tmp_path: Path) -> None:
     proc = _start(tmp_path, "train.epochs=200", "train.checkpoint_every=5", "launch.nproc=2")
     run_dir = _wait_for_checkpoint(tmp_path, proc)
@@ -275,6 +282,7 @@ def test_sigterm_to_one_worker_stops_all_with_one_line(tmp_path: Path) -> None:
     assert len(stopped) == 1 and stopped[0].endswith(f"Continue with: python run.py resume={run_dir}"), err
 
 
+@pytest.mark.slow
 def test_training_error_on_every_rank_prints_one_line(tmp_path: Path) -> None:
     # A huge rate makes every update blow the loss up: the ranks agree to stop after two skipped steps.
     proc = _start(tmp_path, "launch.nproc=2", "kfac.variant=sgd", "optim.lr=1e30", "train.max_nonfinite=2")
@@ -285,6 +293,7 @@ def test_training_error_on_every_rank_prints_one_line(tmp_path: Path) -> None:
     assert "Traceback" not in err and "worker" not in lines[0], err[-3000:]
 
 
+@pytest.mark.slow
 def test_a_non_finite_preconditioned_gradient_is_never_applied(tmp_path: Path) -> None:
     # Damping that vanishes in float32 gives inverses of 1e30: the preconditioned gradient overflows.
     tiny = ("kfac.damping=1e-30", "kfac.kl_clip=0")
@@ -329,6 +338,7 @@ def small_disk(tmp_path: Path) -> Any:
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
+@pytest.mark.slow
 def test_disk_full_while_checkpointing_names_the_file_and_keeps_the_previous(small_disk: Path) -> None:
     every_step = ("train.checkpoint_every=1", "train.keep_checkpoints=0")
     proc = _start(small_disk, "launch.nproc=2", "train.steps=20", *every_step)
@@ -379,6 +389,7 @@ RESUMES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("extra", "code", "must"), RESUMES)
 def test_resume_is_checked_before_the_folder_is_touched(
     finished_run: Path, extra: list[str], code: int, must: tuple[str, ...]
@@ -394,6 +405,7 @@ def test_resume_is_checked_before_the_folder_is_touched(
     assert _snapshot(finished_run) == before, "the run folder changed"
 
 
+@pytest.mark.slow
 def test_resume_of_a_run_stopped_after_its_last_step_runs_the_final_evaluation(tmp_path: Path) -> None:
     run_dir = _finish(tmp_path, "train.steps=2")
     path = run_dir / "checkpoints" / "step_00000002.pt"
@@ -437,6 +449,7 @@ def _drift(rank: int, world: int, out: str) -> dict[str, Any]:
         return {"params": repaired, "momentum": momentum_after, "repaired": trainer.repaired, "error": error}
 
 
+@pytest.mark.slow
 def test_drifted_replicas_are_restored_and_non_finite_ones_stop(tmp_path: Path, caplog: Any) -> None:
     results = run_in_gloo(_drift, 2, str(tmp_path), timeout=180)
     for a, b in zip(results[0]["params"], results[1]["params"], strict=True):

@@ -115,6 +115,7 @@ def _reduce_to_each_rank(rank: int, world: int) -> list[list[float]]:
         backend.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_gloo_reduction_sums_into_its_destination_only(world: int) -> None:
     from helpers import run_in_gloo

@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from helpers import ROOT
 
 sys.path.insert(0, str(ROOT / "tools"))
@@ -23,6 +24,7 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+@pytest.mark.slow
 def test_a_run_past_its_time_is_stopped_with_everything_it_started(tmp_path: Path) -> None:
     pids = tmp_path / "pids"
     # A launcher whose worker, and the worker's own child, outlive it unless the whole group is stopped.

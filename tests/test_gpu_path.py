@@ -110,11 +110,13 @@ def _slow_write(rank: int, world: int, out: str, delay: float) -> list[str]:
     return sorted(p.name for p in (run_dir / "checkpoints").iterdir())
 
 
+@pytest.mark.slow
 def test_a_checkpoint_write_slower_than_the_collective_timeout_does_not_fail_the_job(tmp_path: Path) -> None:
     names = run_in_gloo(_slow_write, 2, str(tmp_path), 5.0, timeout=180)
     assert names[0] == names[1] == ["step_00000000.pt", "step_00000001.pt"]
 
 
+@pytest.mark.slow
 def test_train_save_false_writes_no_checkpoint(tmp_path: Path) -> None:
     proc = run_cli(
         QUICK, "train.steps=3", "train.save=false", "train.progress=false", "dist.device=cpu", f"out_dir={tmp_path}"
@@ -157,6 +159,7 @@ def _adamw_drift(rank: int, world: int) -> dict[str, Any]:
         backend.close()
 
 
+@pytest.mark.slow
 def test_adamw_state_and_its_step_are_repaired_where_they_live() -> None:
     r0, r1 = run_in_gloo(_adamw_drift, 2)
     assert r0["repaired"] == r1["repaired"] == 1
@@ -294,6 +297,7 @@ def _train(rank: int, world: int, out: str, extra: list[str]) -> dict[str, Any]:
         }
 
 
+@pytest.mark.slow
 def test_channels_last_trains_as_the_default_format(tmp_path: Path) -> None:
     (plain,) = run_in_gloo(_train, 1, str(tmp_path / "a"), [], timeout=240)
     (nhwc,) = run_in_gloo(_train, 1, str(tmp_path / "b"), ["train.channels_last=true"], timeout=240)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import run_in_gloo
 
@@ -15,5 +16,6 @@ def _sum_ranks(rank: int, world: int) -> float:
     return float(t)
 
 
+@pytest.mark.slow
 def test_allreduce_in_real_gloo_group() -> None:
     assert run_in_gloo(_sum_ranks, 3) == [6.0, 6.0, 6.0]

@@ -14,10 +14,13 @@ import pytest
 import torch
 from helpers import ROOT, run_cli
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("horovod") is None or shutil.which("horovodrun") is None,
-    reason="Horovod is not installed (bash tools/install_horovod.sh)",
-)
+pytestmark = [
+    pytest.mark.horovod,
+    pytest.mark.skipif(
+        importlib.util.find_spec("horovod") is None or shutil.which("horovodrun") is None,
+        reason="Horovod is not installed (bash tools/install_horovod.sh)",
+    ),
+]
 
 COMMON = [
     "recipes/quickstart.yaml",

@@ -8,11 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import ROOT, last_line, run_cli
 
 QUICK = "recipes/quickstart.yaml"
 
 
+@pytest.mark.slow
 def test_torchrun_joins_the_job(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -46,6 +48,7 @@ def test_torchrun_joins_the_job(tmp_path: Path) -> None:
     assert summary["steps"] == 3
 
 
+@pytest.mark.slow
 def test_nproc_1_runs_in_process(tmp_path: Path) -> None:
     proc = run_cli(QUICK, "launch.nproc=1", "train.steps=2", "train.progress=false", f"out_dir={tmp_path}", timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -55,6 +58,7 @@ def test_nproc_1_runs_in_process(tmp_path: Path) -> None:
     assert "torch.distributed.elastic" not in proc.stderr  # no launcher was involved
 
 
+@pytest.mark.slow
 def test_sigterm_under_torchrun_prints_the_torchrun_command_that_resumes(tmp_path: Path) -> None:
     import signal
     import time

@@ -75,6 +75,7 @@ def user_job(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 def test_the_library_api_joins_the_users_job_and_gives_d_kfacs_parameters() -> None:
     results = run_in_gloo(user_job, 2, timeout=300)
     assert "grad_sync='deferred' averages gradients itself, but here DDP does" in results[0].pop("error")
@@ -211,6 +212,7 @@ def test_every_value_a_schedule_gives_is_checked(
         _loop(pre, model, range(4))
 
 
+@pytest.mark.slow
 def test_the_example_trains_under_torchrun_with_two_workers() -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
@@ -265,6 +267,7 @@ def spd_with_ddp(rank: int, world: int) -> list[torch.Tensor]:
         dist.destroy_process_group()
 
 
+@pytest.mark.horovod
 @pytest.mark.skipif(
     importlib.util.find_spec("horovod") is None or shutil.which("horovodrun") is None,
     reason="Horovod is not installed (bash tools/install_horovod.sh)",

@@ -252,6 +252,7 @@ def frozen_job(rank: int, world: int) -> dict[str, Any]:
     return {"frozen": frozen, "flow": flow, "d": d}
 
 
+@pytest.mark.slow
 def test_freezing_on_two_ranks_re_plans_on_both_and_flow_still_gives_d_kfacs_parameters() -> None:
     results = run_in_gloo(frozen_job, 2, timeout=180)
     for rank in results:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from helpers import ROOT, run_in_gloo
 
@@ -70,6 +71,7 @@ def _train(rank: int, world: int, out: str) -> dict[str, Any]:
     return results
 
 
+@pytest.mark.slow
 def test_a_policy_registered_in_a_test_file_trains_and_is_simulated(tmp_path: Path) -> None:
     results = run_in_gloo(_train, 2, str(tmp_path), timeout=240)
     for rank in range(2):

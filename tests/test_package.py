@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import ROOT, run_cli
 
 import kfacflow
@@ -39,6 +40,7 @@ def _venv_seeing_this_interpreter(venv: Path, cwd: Path) -> Path:
     return python
 
 
+@pytest.mark.slow
 def test_the_package_installs_into_a_fresh_venv_and_trains_by_recipe_name(tmp_path: Path) -> None:
     venv = tmp_path / "venv"
     # torch and the rest come from the interpreter running the tests (a venv or not); the package
@@ -70,6 +72,7 @@ def test_the_package_installs_into_a_fresh_venv_and_trains_by_recipe_name(tmp_pa
     ]
 
 
+@pytest.mark.slow
 def test_run_py_takes_a_shipped_recipe_by_name_too(tmp_path: Path) -> None:
     out = run_cli("quickstart.yaml", "--print-config", cwd=tmp_path)
     assert out.returncode == 0 and "name: quickstart" in out.stdout

@@ -184,6 +184,7 @@ def test_profile_numbers_yaml_reads_as_text_are_taken(tmp_path: Path) -> None:
     assert prof.allreduce.alpha == 2e-5 and prof.inverse == InverseModel("exp", 1.0, 1e-12)
 
 
+@pytest.mark.slow
 def test_fit_tool_measures_a_two_worker_job(tmp_path: Path) -> None:
     out = tmp_path / "profile.yaml"
     proc = run_tool(

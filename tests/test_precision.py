@@ -37,6 +37,7 @@ def _run(tmp_path: Path, *extra: str, steps: int = STEPS) -> tuple[Path, dict[st
     return run, state
 
 
+@pytest.mark.slow
 def test_bf16_amp_trains_the_quickstart_and_keeps_factors_in_float32(tmp_path: Path) -> None:
     proc = run_cli("recipes/quickstart.yaml", "train.amp=bf16", "train.progress=false", f"out_dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -50,6 +51,7 @@ def test_bf16_amp_trains_the_quickstart_and_keeps_factors_in_float32(tmp_path: P
     assert {t.dtype for t in state["model"].values() if t.is_floating_point()} == {torch.float32}
 
 
+@pytest.mark.slow
 def test_d_mpd_spd_and_flow_agree_under_bf16_amp(tmp_path: Path) -> None:
     # flow with its own inverse method (Cholesky factors) differs from the explicit inverses by float32
     # round-off amplified by the factors' condition (float64: tests/test_stage_equivalence.py); here it
@@ -66,6 +68,7 @@ def test_d_mpd_spd_and_flow_agree_under_bf16_amp(tmp_path: Path) -> None:
     assert any(t.is_floating_point() and not torch.allclose(t, finals["d"][k]) for k, t in finals["fp32"].items())
 
 
+@pytest.mark.slow
 def test_fp16_loss_scale_backs_off_on_every_rank_together(tmp_path: Path) -> None:
     # A first scale of 2^40 overflows float16 gradients: steps are skipped (not counted as faults)
     # until the scale, halved each time on every rank alike, lets the gradients through.
@@ -84,6 +87,7 @@ def test_fp16_loss_scale_backs_off_on_every_rank_together(tmp_path: Path) -> Non
     assert resumed["steps"] == 42 and resumed["skipped_steps"] == 0  # from 2^40 again it would skip 20 more
 
 
+@pytest.mark.slow
 def test_amp_needs_a_float32_model(tmp_path: Path) -> None:
     proc = run_cli("recipes/quickstart.yaml", "train.amp=bf16", "train.dtype=float64", f"out_dir={tmp_path}")
     assert proc.returncode == 2
@@ -137,6 +141,7 @@ def test_factor_and_inverse_dtypes(monkeypatch: pytest.MonkeyPatch) -> None:
     assert {t.dtype for inv in low.inverses.values() for t in inv.tensors} == {torch.float32}
 
 
+@pytest.mark.slow
 def test_timing_off_keeps_only_the_step_time(tmp_path: Path) -> None:
     run, _ = _run(tmp_path, "train.timing=false", "train.timeline=3", steps=4)
     lines = [json.loads(x) for x in (run / "timings.jsonl").read_text().splitlines()]

@@ -42,6 +42,7 @@ def test_recipes_found() -> None:
     assert {"quickstart", "digits_sgd"} <= {r.stem for r in RECIPES}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
 def test_recipe_runs_two_steps(recipe: Path, tmp_path: Path) -> None:
     proc = run_cli(

@@ -163,6 +163,7 @@ def _assert_resumed_equals_full(runs: dict[str, Any], resumed: str, full: str, n
     assert summary["val_acc"] == full_summary["val_acc"]
 
 
+@pytest.mark.slow
 def test_resume_two_workers_equals_uninterrupted(runs: dict[str, Any]) -> None:
     _assert_resumed_equals_full(runs, "resume2", "full2", 2)
 

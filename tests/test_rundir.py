@@ -53,6 +53,7 @@ def _final_model(run_dir: Path) -> dict[str, torch.Tensor]:
     return model
 
 
+@pytest.mark.slow
 def test_run_folder_layout(first: dict[str, Any]) -> None:
     run_dir = Path(last_line(first["proc"]))
     assert run_dir.is_dir()
@@ -101,6 +102,7 @@ def test_tensorboard_events(first: dict[str, Any]) -> None:
     assert acc.Scalars("val/acc")[-1].value == pytest.approx(summary["val_acc"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_saved_config_reproduces_the_run(first: dict[str, Any], tmp_path: Path) -> None:
     run_dir = Path(last_line(first["proc"]))
     again = Path(last_line(_run(str(run_dir / "config.yaml"), f"out_dir={tmp_path}", "train.progress=false")))

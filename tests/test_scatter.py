@@ -86,6 +86,7 @@ def _pieces(rank: int, world: int) -> bool:
         backend.close()
 
 
+@pytest.mark.slow
 def test_pieces_reach_their_owners_on_three_gloo_ranks() -> None:
     assert run_in_gloo(_pieces, 3) == [True, True, True]
 
@@ -157,6 +158,7 @@ def _chained(rank: int, world: int) -> dict[str, list[str]]:
         backend.close()
 
 
+@pytest.mark.slow
 def test_chained_collectives_wait_between_on_gloo_only() -> None:
     for logs in run_in_gloo(_chained, 3):
         rs, a2a, ag = "reduce_scatter_single", "all_to_all_single", "all_gather_single"

@@ -204,6 +204,7 @@ def all_combinations(rank: int, world: int) -> dict[tuple[str, ...], dict[str, A
         backend.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_stage_combination_gives_the_same_parameters(world: int) -> None:
     results = run_in_gloo(all_combinations, world, timeout=600)

@@ -45,6 +45,7 @@ def test_chrome_trace_and_summary() -> None:
     assert summarize(steps[:1], 5) == {"total": 9.0}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["spd", "flow"])
 def test_breakdown_and_timeline_of_a_two_worker_run(tmp_path: Path, variant: str) -> None:
     proc = run_cli(

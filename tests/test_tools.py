@@ -19,6 +19,7 @@ from kfacflow import simulation  # noqa: E402
 from kfacflow.kfac.variants import Stages  # noqa: E402
 
 
+@pytest.mark.slow
 def test_bench_compares_variants_and_writes_table_json_and_figure(tmp_path: Path) -> None:
     proc = run_tool(
         "bench.py",
@@ -68,6 +69,7 @@ def traced_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(last_line(proc))
 
 
+@pytest.mark.slow
 def test_simulator_projects_a_recorded_run(traced_run: Path, tmp_path: Path) -> None:
     layers = json.loads((traced_run / "layers.json").read_text())
     assert [r["name"] for r in layers["layers"]] == ["conv1", "conv2", "fc1", "fc2"]

@@ -78,6 +78,7 @@ def train(folder: Path, *overrides: str) -> tuple[dict[str, object], dict[str, t
     return summary, state
 
 
+@pytest.mark.slow
 def test_the_users_model_and_data_by_module_path(mine: Path) -> None:
     summary, state = train(mine, "kfac.variant=sgd", "optim.lr=0.5")
     logits = W @ X
@@ -87,6 +88,7 @@ def test_the_users_model_and_data_by_module_path(mine: Path) -> None:
     torch.testing.assert_close(state["1.weight"], W - 0.5 * grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("override", "message"),
     [
@@ -102,6 +104,7 @@ def test_a_module_path_that_fails_is_one_line(mine: Path, override: str, message
     assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), proc.stderr
 
 
+@pytest.mark.slow
 def test_label_smoothing_is_in_the_training_loss(mine: Path) -> None:
     summary, _ = train(mine, "kfac.variant=sgd", "train.label_smoothing=0.3")
     logp = torch.log_softmax(W @ X, 0)
@@ -109,6 +112,7 @@ def test_label_smoothing_is_in_the_training_loss(mine: Path) -> None:
     assert summary["train_loss"] == pytest.approx(float(expected), rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["sgd", "d"])
 def test_clipping_bounds_the_applied_gradient(mine: Path, variant: str) -> None:
     _, state = train(mine, f"kfac.variant={variant}", "optim.lr=1", "optim.clip_grad_norm=0.001")
@@ -116,6 +120,7 @@ def test_clipping_bounds_the_applied_gradient(mine: Path, variant: str) -> None:
     assert float(moved.norm()) == pytest.approx(0.001, rel=1e-3)  # the gradient is far larger than 0.001
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["sgd", "d"])
 def test_adamw_takes_the_preconditioned_gradient(mine: Path, variant: str) -> None:
     # Adam's first step moves each weight by lr x m / sqrt(v) = lr x sign(g), whatever g's size.
@@ -125,6 +130,7 @@ def test_adamw_takes_the_preconditioned_gradient(mine: Path, variant: str) -> No
     assert not math.isnan(float(moved.sum()))
 
 
+@pytest.mark.slow
 def test_optimizer_keys_are_checked(mine: Path) -> None:
     proc = run_mine(mine, "optim.betas=[0.9]")
     assert proc.returncode == 2 and "optim.betas takes two numbers" in proc.stderr
@@ -132,6 +138,7 @@ def test_optimizer_keys_are_checked(mine: Path) -> None:
     assert proc.returncode == 2 and "Did you mean 'adamw'" in proc.stderr
 
 
+@pytest.mark.slow
 def test_checkpoints_open_weights_only_and_export_writes_the_model(mine: Path) -> None:
     proc = run_mine(mine, "kfac.variant=d")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -151,6 +158,7 @@ def test_checkpoints_open_weights_only_and_export_writes_the_model(mine: Path) -
     assert wrong.returncode == 2 and "has no checkpoint" in wrong.stderr
 
 
+@pytest.mark.slow
 def test_a_piped_log_gets_plain_lines_and_the_metrics_file(mine: Path) -> None:
     proc = run_mine(mine, "train.progress=true", "train.steps=4", "train.log_every=2", "train.metrics=csv")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -170,6 +178,7 @@ def test_a_piped_log_gets_plain_lines_and_the_metrics_file(mine: Path) -> None:
     assert [e.step for e in events.Scalars("time/images_per_s")] == [2, 4]
 
 
+@pytest.mark.slow
 def test_the_moving_average_of_the_weights(mine: Path) -> None:
     overrides = ["train.ema=0.75", "train.checkpoint_every=1", "train.keep_checkpoints=0", "kfac.variant=d"]
     overrides += ["train.metrics=jsonl", "train.log_every=1"]
