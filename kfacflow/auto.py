@@ -41,18 +41,21 @@ def choose(
     cfg: DictConfig,
     scatters: bool = True,
     gathers: bool = True,
+    reduces: bool = True,
 ) -> str:
     """Simulate every preset on ``layers`` (this run's traced step) and ``profile``; return the fastest's name.
 
     Every preset runs the recipe's explicit stage choices, as it would if named; inversions traced
     with another method than a preset's are rescaled by the profile's models of both. The table
-    is logged. ``scatters``, ``gathers``: what this run's engine can do (:class:`~kfacflow.comm.base.Backend`).
+    is logged. ``scatters``, ``gathers``, ``reduces``: what this run's engine can do
+    (:class:`~kfacflow.comm.base.Backend`), so no preset is chosen for a route the run would not take.
     """
     totals = {}
     for name in PRESETS:
         stages = resolve(preset_config(cfg, name))
         threshold = cfg.kfac.fusion_threshold_mb
-        totals[name] = simulate(layers, profile, world_size, stages, True, threshold, scatters, gathers)["total"]
+        parts = simulate(layers, profile, world_size, stages, True, threshold, scatters, gathers, reduces)
+        totals[name] = parts["total"]
     best = min(totals, key=lambda name: (totals[name], PRESETS.index(name)))
     table = ", ".join(f"{name} {seconds:.3f} s" for name, seconds in totals.items())
     logger.info("kfac.variant=auto: simulated steps %s; using %s", table, best)

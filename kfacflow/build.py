@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 
 from kfacflow import UserError, did_you_mean, registry
 from kfacflow.auto import methods as auto_methods
+from kfacflow.calibration import calibrate
 from kfacflow.comm.base import Backend
 from kfacflow.config import DistConfig, KFACConfig
 from kfacflow.data import DataInfo, build_datasets, check_shard
@@ -32,7 +33,7 @@ from kfacflow.kfac.variants import Stages, resolve
 from kfacflow.loader import ResumableSampler, eval_loader, train_loader
 from kfacflow.models import build_model, check_name
 from kfacflow.optim import build_optimizer, build_scheduler
-from kfacflow.perf import Profile, calibrate
+from kfacflow.perf import Profile
 from kfacflow.resume import check_meta, check_model
 from kfacflow.rundir import CHECKPOINTS, checkpoints, load_latest_checkpoint
 from kfacflow.seeding import seed_all
@@ -41,7 +42,7 @@ from kfacflow.timing import StepTimer
 logger = logging.getLogger(__name__)
 
 PLUGINS = (
-    "kfacflow.data",
+    "kfacflow.datasets",
     "kfacflow.models",
     "kfacflow.optim",
     "kfacflow.comm.torch_dist",

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 from kfacflow import UserError, __version__, build, did_you_mean, registry
-from kfacflow.config import load, shipped_recipes, to_yaml
 from kfacflow.launch import PROGRAM_VAR
+from kfacflow.recipe import load, shipped_recipes, to_yaml
 from kfacflow.usercode import UserCodeError
 
 USAGE = """Train a recipe. Recipes merge left to right, then key.sub=value overrides apply. A recipe is

@@ -20,10 +20,12 @@ import torch.distributed as dist
 from torch import nn
 
 from kfacflow import UserError, build, registry
+from kfacflow.calibration import calibrate
 from kfacflow.comm.base import Backend, GradientAllreduce
-from kfacflow.config import DistConfig, kfac_section
+from kfacflow.config import DistConfig
+from kfacflow.config_rules import kfac_section
 from kfacflow.kfac.variants import Stages, resolve
-from kfacflow.perf import Profile, calibrate
+from kfacflow.perf import Profile
 
 logger = logging.getLogger(__name__)
 

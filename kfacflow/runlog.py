@@ -16,7 +16,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from kfacflow import rundir
-from kfacflow.config import to_yaml
+from kfacflow.recipe import to_yaml
 from kfacflow.timing import summarize
 
 logger = logging.getLogger(__name__)

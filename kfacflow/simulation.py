@@ -32,7 +32,8 @@ from kfacflow.comm import scatter
 from kfacflow.kfac import inverse, overlap  # noqa: F401  (they register the entries looked up below)
 from kfacflow.kfac.fusion import SCATTER, Ready, Routing, estimated_arrivals, plan_launches
 from kfacflow.kfac.packing import packed_size
-from kfacflow.kfac.placement import EVERY_RANK, bucket_cost, by_layer, layer_order, schedule, update_buckets
+from kfacflow.kfac.placement import EVERY_RANK
+from kfacflow.kfac.plan import Choice, EngineCaps, StepPlan, make_plan
 from kfacflow.kfac.stages import FusionOptions
 from kfacflow.kfac.variants import Stages
 from kfacflow.perf import LinearModel, Profile
@@ -107,6 +108,7 @@ def simulate(
     threshold_mb: float = 64.0,
     scatters: bool = True,
     gathers: bool = True,
+    reduces: bool = True,
 ) -> dict[str, float]:
     """Return the breakdown and total of one step (seconds) of ``stages`` on ``workers`` ranks.
 
@@ -120,6 +122,8 @@ def simulate(
         scatters: Whether the engine reduces to several owners at once (NCCL; gloo's is no faster than
             its all-reduce): :attr:`~kfacflow.comm.base.Backend.scatters`.
         gathers: Whether it gathers from several owners at once: :attr:`~kfacflow.comm.base.Backend.gathers`.
+        reduces: Whether it reduces to one rank (Horovod does not, nor gloo with CUDA tensors):
+            :attr:`~kfacflow.comm.base.Backend.reduces`.
     """
     prof = scaled(profile.for_method(stages.inverse), workers)
     if use_measured:
@@ -157,11 +161,13 @@ def simulate(
     options = FusionOptions(threshold_bytes=int(threshold_mb * 2**20), allreduce=prof.allreduce)
     launches = plan_launches(registry.COMMUNICATORS.get(stages.fusion)(options), forward, t_fwd, backward, t_bwd)
     elements = {r.key: r.elements for r in (*forward, *backward)}
+    groups = [[(k, elements[k]) for k in keys] for _, keys in launches]
+    expected = estimated_arrivals(groups, prof.allreduce)
+    plan = step_plan(rows, prof, workers, stages, EngineCaps(reduces, scatters, gathers), expected)
     # kfac.factor_sync=owner: one reduction per owner of a group (a broadcast reversed: its cost),
     # in one direction of the link between two ranks; the NCTs all-reduced.
-    to_owner = workers > 1 and registry.FACTOR_SYNCS.get(stages.factor_sync).to_owner
-    owners = update_owners(rows, prof, workers, stages) if registry.BROADCASTS.get(stages.broadcast).update else None
-    owner = dict(zip(_keys(rows), owners, strict=True)) if to_owner and owners is not None else {}
+    to_owner = plan.factor_owners is not None
+    owner = dict(zip(_keys(rows), plan.factor_owners, strict=True)) if plan.factor_owners is not None else {}
     routing = Routing(owner, workers, prof.allreduce, prof.broadcast, scatters)
     ops: list[tuple[float, int, int, list[str], int | None]] = [
         (at, 0, sum(elements[k] for k in part), part, dst)
@@ -186,20 +192,33 @@ def simulate(
             arrival[k] = end
     grad_comm = 0.0 if deferred else max(0.0, grads_done - t_bwd)
     start = t_bwd + grad_comm  # DDP's backward returns when its buckets are averaged
-    routed = routed_gradients(rows, prof, workers, stages, owners) if deferred and scatters else None
+    routed = _routed(rows, plan) if deferred else None
     if deferred:  # posted after the last factor, so they queue behind every one of them
         grads_done = start
         if routed is not None:  # one reduction to the owners; the rest all-reduced in buckets
             grads_done = link.send(max(start, link.free), scatter.cost(prof.broadcast, routed))
-            grads = _buckets(sum(r["params"] for j, r in enumerate(rows) if owners and owners[2 * j] == EVERY_RANK))
+            grads = _buckets(sum(r["params"] for j, r in enumerate(rows) if plan.owners[2 * j] == EVERY_RANK))
         for _, m in grads:
             grads_done = link.send(max(start, link.free), prof.allreduce(m))
-    groups = [[(k, elements[k]) for k in keys] for _, keys in launches]
-    expected = estimated_arrivals(groups, prof.allreduce)
-    backward_pass = _Backward(
-        arrival, start, grads_done, grad_comm, link, expected, owners, routed is not None, gathers
-    )
+    backward_pass = _Backward(arrival, start, grads_done, grad_comm, link, plan, routed is not None)
     return _inverse_phase(rows, measured, prof, workers, stages, use_measured, backward_pass, hooks, ffbp)
+
+
+def step_plan(
+    rows: list[dict[str, Any]],
+    profile: Profile,
+    workers: int,
+    stages: Stages,
+    caps: EngineCaps,
+    expected: dict[str, float] | None = None,
+) -> StepPlan:
+    """The plan the running preconditioner makes for these layers (:func:`~kfacflow.kfac.plan.make_plan`).
+
+    ``expected``: when each factor is expected to arrive (the trainer's estimate from the fusion's groups).
+    """
+    layout = [(r["a_dim"], r["g_dim"], r["params"]) for r in rows]
+    ready = [expected.get(k, 0.0) for k in _keys(rows)] if expected is not None else None
+    return make_plan(layout, Choice.named(stages), workers, profile, caps, True, ready)
 
 
 @dataclass
@@ -215,14 +234,10 @@ class _Backward:
     grad_comm: float
     """The part of that the backward pass waited for."""
     link: Link
-    expected: dict[str, float]
-    """When each factor is expected (what the trainer orders an arrival pipeline's inversions by)."""
-    owners: list[int] | None = None
-    """With ``kfac.broadcast=update``: who inverts each factor (whole layers), A1, G1, A2, G2, ..."""
+    plan: StepPlan
+    """The trainer's plan of the step: owners, inversion and layer orders, buckets."""
     routed: bool = False
     """Whether the gradients went to their owners alone (who then send the KL clipping's ``v.g``)."""
-    gathers: bool = True
-    """Whether a bucket of updates may be gathered from its owners."""
 
 
 def _inverse_phase(
@@ -245,18 +260,15 @@ def _inverse_phase(
     update_total = max(0.0, measured.get("FactorComp", hooks) - hooks)
     packed = [packed_size(d) for d in dims]
     update = [update_total * m / (sum(packed) or 1) for m in packed]
-    result = registry.INVERSES.get(stages.inverse).result
     broadcast = registry.BROADCASTS.get(stages.broadcast)
     if broadcast.update:
         return _update_phase(rows, measured, prof, workers, stages, costs, update, bwd, hooks + update_total, ffbp)
-    sizes = [result.full_elements(d) if broadcast.full else result.elements(d) for d in dims]
+    sizes = list(bwd.plan.sizes)
     # Whole matrices travel from the owner's memory and are used where they land: no (un)packing.
     pack = [0.0] * len(dims) if broadcast.full else per_element(rows, sizes, "t_pack")
     unpack = [0.0] * len(dims) if broadcast.full else per_element(rows, sizes, "t_unpack")
-    owners = registry.PLACEMENTS.get(stages.placement)(dims, sizes, workers, prof)
+    owners, order = bwd.plan.owners, bwd.plan.order
     pipeline = registry.PIPELINES.get(stages.pipeline)
-    expected = [bwd.expected.get(k, 0.0) for k in keys] if pipeline.invert_on_arrival else None
-    order = schedule(dims, owners, workers, prof, expected)
     owner_keeps = broadcast.owner_keeps
     ranks = [_Rank(start) for _ in range(workers)]
     # Factors in the order their all-reduces end; a rank updates every factor that has arrived.
@@ -354,11 +366,9 @@ def _update_phase(
     posting each own update's broadcast, and the link carries them in that order.
     """
     keys = _keys(rows)
-    dims = [d for r in rows for d in (r["a_dim"], r["g_dim"])]
-    sizes = [r["a_dim"] * r["g_dim"] for r in rows for _ in (0, 1)]
-    assert bwd.owners is not None
-    owners = bwd.owners
-    to_owner = workers > 1 and registry.FACTOR_SYNCS.get(stages.factor_sync).to_owner
+    plan = bwd.plan
+    sizes, owners = plan.sizes, plan.owners
+    to_owner = plan.factor_owners is not None
     on_arrival = registry.PIPELINES.get(stages.pipeline).invert_on_arrival
     start = bwd.start
     here = [bwd.arrival.get(k, start) for k in keys]
@@ -378,27 +388,26 @@ def _update_phase(
     done: dict[int, float] = {}  # communicated layers and when their owner has the update
     for rank in ranks:
         rank.wait(bwd.grads_done, "GradComm")
-    order = layer_order(dims, owners, workers, prof)
-    for j in order:
+    for j in plan.layer_order:
         owner = owners[2 * j]
         for r, rank in enumerate(ranks):
             if owner in (EVERY_RANK, r):
                 rank.t += cost[rows[j]["name"]]
         if owner != EVERY_RANK:
             done[j] = ranks[owner].t
-    if registry.BROADCASTS.get(stages.broadcast).fused:
-        buckets = update_buckets(order, sizes[::2], owners[::2], prof, workers, bwd.gathers)
-        sends = [
-            (
-                max(done[j] for j in b),
-                bucket_cost(b, sizes[::2], owners[::2], prof, workers, bwd.gathers)
-                if len(b) > 1
-                else prof.broadcast(sizes[2 * b[0]]),
-            )
-            for b in buckets
-        ]
-    else:
-        sends = [(t, prof.broadcast(sizes[2 * j])) for j, t in done.items()]
+    sends: list[tuple[float, float]] = []  # each bucket at its last layer, others alone: the trainer's order
+    bucket_of = {b[-1]: k for k, b in enumerate(plan.buckets)}
+    bucketed = {j for b in plan.buckets for j in b}
+    for j in done:
+        if j in bucket_of:  # a gather from the owners or a zero-filled all-reduce, as planned
+            b = plan.buckets[bucket_of[j]]
+            if bucket_of[j] in plan.gathered:
+                seconds = scatter.cost(prof.broadcast, _counts(b, sizes[::2], owners[::2], workers))
+            else:
+                seconds = prof.allreduce(sum(sizes[2 * i] for i in b))
+            sends.append((max(done[i] for i in b), seconds))
+        elif j not in bucketed:
+            sends.append((done[j], prof.broadcast(sizes[2 * j])))
     if bwd.routed and sends:  # each owned layer's v.g (float64: two elements), after the updates
         sends.append((max(t for t, _ in sends), prof.allreduce(2 * len(done))))
     ends = [bwd.link.send(t, seconds) if workers > 1 else t for t, seconds in sends]
@@ -412,20 +421,23 @@ def _keys(rows: list[dict[str, Any]]) -> list[str]:
     return [f"{r['name']}/{side}" for r in rows for side in ("A", "G")]
 
 
-def routed_gradients(
-    rows: list[dict[str, Any]], prof: Profile, workers: int, stages: Stages, owners: list[int] | None
-) -> list[int] | None:
-    """The gradient elements each rank receives alone with ``kfac.grad_sync=owner`` (``None``: all all-reduced).
-
-    The trainer's rule (:meth:`~kfacflow.kfac.preconditioner.KFACPreconditioner._route_gradients`).
-    """
-    if owners is None or not registry.GRAD_SYNCS.get(stages.grad_sync).to_owner:
+def _routed(rows: list[dict[str, Any]], plan: StepPlan) -> list[int] | None:
+    """The gradient elements each rank receives alone (``kfac.grad_sync=owner``; ``None``: all all-reduced)."""
+    if plan.grad_owners is None:
         return None
+    counts = [0] * plan.world
+    for r, owner in zip(rows, plan.grad_owners, strict=True):
+        if owner != EVERY_RANK:
+            counts[owner] += r["params"]
+    return counts
+
+
+def _counts(bucket: tuple[int, ...], elements: tuple[int, ...], owners: tuple[int, ...], workers: int) -> list[int]:
+    """Elements of a bucket each rank owns."""
     counts = [0] * workers
-    for j, r in enumerate(rows):
-        if owners[2 * j] != EVERY_RANK:
-            counts[owners[2 * j]] += r["params"]
-    return counts if scatter.pays(prof.allreduce, prof.broadcast, counts) else None
+    for j in bucket:
+        counts[owners[j]] += elements[j]
+    return counts
 
 
 def _buckets(elements: int) -> list[tuple[float, int]]:
@@ -439,13 +451,6 @@ def _per_rank(keys: list[str], owner: dict[str, int], elements: dict[str, int], 
     for k in keys:
         counts[owner[k]] += elements[k]
     return counts
-
-
-def update_owners(rows: list[dict[str, Any]], prof: Profile, workers: int, stages: Stages) -> list[int]:
-    """Who inverts each factor with ``kfac.broadcast=update`` (whole layers; what travels is the update)."""
-    dims = [d for r in rows for d in (r["a_dim"], r["g_dim"])]
-    sizes = [r["a_dim"] * r["g_dim"] for r in rows for _ in (0, 1)]
-    return by_layer(dims, registry.PLACEMENTS.get(stages.placement)(dims, sizes, workers, prof))
 
 
 def precondition_costs(rows: list[dict[str, Any]], measured: dict[str, float]) -> tuple[dict[str, float], float]:

@@ -23,7 +23,7 @@ from kfacflow import StorageError, TrainingError, UserError, auto, build, rundir
 from kfacflow.build import Training
 from kfacflow.comm.base import Backend, GradientAllreduce
 from kfacflow.consistency import all_finite, check_replicas
-from kfacflow.data import cross_entropy
+from kfacflow.data_checks import cross_entropy
 from kfacflow.kfac.variants import resolve
 from kfacflow.precision import MixedPrecision
 from kfacflow.resume import checkpoint_meta
@@ -377,8 +377,9 @@ class Trainer:
             if self.rank == 0:
                 batch = self.cfg.data.batch_size
                 profile = layer_profile(events, layers, parts, self.world, batch, self.stages.inverse)
+                caps = self.backend
                 name = auto.choose(
-                    profile, self.kfac.profile, self.world, self.cfg, self.backend.scatters, self.backend.gathers
+                    profile, self.kfac.profile, self.world, self.cfg, caps.scatters, caps.gathers, caps.reduces
                 )
             self.variant = self.backend.broadcast_object(name)
             chosen = auto.preset_config(self.cfg, self.variant)

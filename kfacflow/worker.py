@@ -17,8 +17,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from kfacflow import UserError, build, rundir
-from kfacflow.config import RunConfig, to_yaml
+from kfacflow.config import RunConfig
 from kfacflow.launch import LOCAL_SIZE_VARS, RANK_VARS, command_line, continue_command, from_env, note_failure
+from kfacflow.recipe import to_yaml
 from kfacflow.trainer import Trainer
 from kfacflow.usercode import UserCodeError
 

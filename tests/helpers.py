@@ -136,7 +136,7 @@ def local_backend(monkeypatch: Any, device: Literal["cpu", "cuda"] = "cpu") -> T
 @contextmanager
 def recipe_trainer(out: str, overrides: list[str]) -> Iterator[Trainer]:
     """The quickstart's trainer with ``overrides``, in this (gloo worker) process; its engine closed after."""
-    from kfacflow.config import load
+    from kfacflow.recipe import load
     from kfacflow.trainer import Trainer
 
     cfg = load([QUICK], [f"out_dir={out}", *overrides])

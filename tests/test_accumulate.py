@@ -16,7 +16,7 @@ STEPS = 4
 def _train(rank: int, world: int, out: str, runs: dict[str, list[str]]) -> dict[str, Any]:
     """Train each run of ``runs`` (name -> overrides) for a few float64 steps; return its end state."""
     from kfacflow.comm.torch_dist import TorchBackend
-    from kfacflow.config import load
+    from kfacflow.recipe import load
     from kfacflow.trainer import Trainer
 
     results = {}

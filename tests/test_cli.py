@@ -19,8 +19,9 @@ from helpers import last_line, run_cli
 from kfacflow import UserError
 from kfacflow.build import check_out_dir
 from kfacflow.cli import main
-from kfacflow.config import CORES, KFACConfig, RunConfig, load
+from kfacflow.config import CORES, KFACConfig, RunConfig
 from kfacflow.kfac.variants import resolve
+from kfacflow.recipe import load
 
 QUICK = "recipes/quickstart.yaml"
 # Put before every table row's arguments so that a check that fails to fire can never start a long or multi-process run.

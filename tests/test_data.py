@@ -210,7 +210,7 @@ def test_user_error_from_a_loader_worker_keeps_its_line() -> None:
 def test_every_label_of_a_tensor_dataset_is_checked() -> None:
     from torch.utils.data import TensorDataset
 
-    from kfacflow.data import check_sets
+    from kfacflow.data_checks import check_sets
 
     x, y = torch.zeros(64, 1, 2, 2), torch.zeros(64, dtype=torch.int64)
     info = DataInfo(num_classes=3, channels=1, image_size=2)

@@ -11,7 +11,7 @@ from helpers import last_line, run_cli
 
 from kfacflow import UserError, build
 from kfacflow.comm.torch_dist import engine_for
-from kfacflow.config import load
+from kfacflow.recipe import load
 
 QUICK = "recipes/quickstart.yaml"
 

@@ -19,8 +19,9 @@ from helpers import ROOT, last_line, recipe_trainer, run_cli, run_in_gloo
 
 from kfacflow import TrainingError, build
 from kfacflow.comm.torch_dist import TorchBackend
-from kfacflow.config import DistConfig, KFACConfig, load
+from kfacflow.config import DistConfig, KFACConfig
 from kfacflow.kfac.packing import pack
+from kfacflow.recipe import load
 
 QUICK = str(ROOT / "recipes" / "quickstart.yaml")
 

@@ -37,7 +37,7 @@ if "pairs" not in COMMUNICATORS:  # a spawned worker imports this file again
 
 def _train(rank: int, world: int, out: str) -> dict[str, Any]:
     from kfacflow.comm.torch_dist import TorchBackend
-    from kfacflow.config import load
+    from kfacflow.recipe import load
     from kfacflow.trainer import Trainer
 
     results: dict[str, Any] = {}

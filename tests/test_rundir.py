@@ -143,7 +143,7 @@ def _rows(path: Path) -> list[tuple[int, str]]:
 @pytest.mark.parametrize("kind", ["csv", "jsonl"])
 @pytest.mark.parametrize("evaluated", [True, False])
 def test_a_resume_drops_the_rows_logged_after_its_checkpoint(tmp_path: Path, kind: str, evaluated: bool) -> None:
-    from kfacflow.config import load
+    from kfacflow.recipe import load
     from kfacflow.runlog import RunLog
 
     _earlier_life(tmp_path)

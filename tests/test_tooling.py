@@ -110,6 +110,20 @@ def test_schema_and_registry_import_nothing_else_of_kfacflow() -> None:
     assert graph["kfacflow.registry"] <= {"kfacflow", "kfacflow.comm.base", "kfacflow.kfac.stages"}
 
 
+def test_performance_models_import_neither_backends_nor_kfac() -> None:
+    graph = import_graph()
+    assert "kfacflow.perf" in graph["kfacflow.calibration"], "the graph was not read"
+    # Calibration (kfacflow.calibration) times the backends and fits with kfacflow.perf; the models,
+    # their fitting and the profiles know neither the backends nor K-FAC, directly or through another module.
+    reached: set[str] = set()
+    todo = ["kfacflow.perf"]
+    while todo:
+        for dep in graph[todo.pop()] - reached:
+            reached.add(dep)
+            todo.append(dep)
+    assert sorted(m for m in reached if m.split(".")[:2] in (["kfacflow", "comm"], ["kfacflow", "kfac"])) == []
+
+
 def test_stage_contracts_hold_no_any() -> None:
     tree = ast.parse((PACKAGE / "kfac" / "stages.py").read_text())
     names = [n.id for n in ast.walk(tree) if isinstance(n, ast.Name)] + [

@@ -40,8 +40,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kfacflow import UserError, build, registry  # noqa: E402
 from kfacflow.config import KFACConfig  # noqa: E402
+from kfacflow.kfac.plan import EngineCaps  # noqa: E402
 from kfacflow.kfac.variants import Stages, resolve  # noqa: E402
 from kfacflow.perf import InverseModel, Profile  # noqa: E402
+
+ENGINES = {
+    "nccl": EngineCaps(reduces=True, scatters=True, gathers=True),
+    "gloo": EngineCaps(reduces=True, scatters=False, gathers=True),
+    "horovod": EngineCaps(reduces=False, scatters=False, gathers=False),
+}
+"""``--engine``: the capabilities of the engines kfacflow runs on (:attr:`~kfacflow.comm.base.Backend.reduces` ...)."""
 from kfacflow.simulation import PARTS, average, lower_bound, scale_compute, simulate  # noqa: E402
 
 THRESHOLD_MB = KFACConfig().fusion_threshold_mb
@@ -83,6 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--markdown", action="store_true", help="also print one markdown table row per P")
     p.add_argument("--json", default=None, help="write the results to this file")
     p.add_argument("--fusion-threshold-mb", type=float, default=THRESHOLD_MB, help="the threshold fusion's buffer")
+    p.add_argument(
+        "--engine",
+        choices=sorted(ENGINES),
+        default="nccl",
+        help="what the engine does besides all-reduces and broadcasts: nccl reduces to owners and gathers; "
+        "gloo gathers only (its reductions to several owners are no faster than its all-reduce); horovod neither",
+    )
     args = p.parse_args(argv)
     build.load_plugins()
     try:
@@ -114,7 +129,19 @@ def main(argv: list[str] | None = None) -> int:
     for workers in (int(w) for w in args.workers.split(",")):
         totals = {}
         for v, stages in chosen.items():
-            parts = simulate(layers, profile, workers, stages, args.inverse == "measured", args.fusion_threshold_mb)
+            caps = ENGINES[args.engine]
+            measured = args.inverse == "measured"
+            parts = simulate(
+                layers,
+                profile,
+                workers,
+                stages,
+                measured,
+                args.fusion_threshold_mb,
+                caps.scatters,
+                caps.gathers,
+                caps.reduces,
+            )
             results.append({"workers": workers, "variant": v, **parts})
             totals[v] = parts["total"]
             cols = " ".join(f"{parts[c]:>11.3f}" for c in PARTS)

@@ -11,7 +11,6 @@ import torch
 from torch import Tensor, nn
 
 from kfacflow import UserError
-from kfacflow.comm import scatter
 from kfacflow.comm.base import Backend, GradientAllreduce, Handle, Piece
 from kfacflow.config import KFACConfig
 from kfacflow.kfac.capture import Capture
@@ -19,7 +18,7 @@ from kfacflow.kfac.fusion import Communicator, Routing, estimated_arrivals
 from kfacflow.kfac.inverse import Inverse, invert_all, warn_once
 from kfacflow.kfac.layers import KFACLayer, find_layers
 from kfacflow.kfac.packing import pack, unpack
-from kfacflow.kfac.placement import by_layer, gathers, layer_order, schedule, update_buckets
+from kfacflow.kfac.plan import Choice, EngineCaps, make_plan
 from kfacflow.kfac.stages import EVERY_RANK, FactorSlot, StageSet
 from kfacflow.kfac.watch import Claims, examples, fp16_autocast, trained
 from kfacflow.perf import Profile
@@ -156,94 +155,60 @@ class KFACPreconditioner:
         self.capture.push = self.comm.push
         self._plan()
 
-    def _plan(self) -> None:
-        """Make a slot per factor of :attr:`layers` and decide who inverts each (again once unused layers are known)."""
+    def _plan(self, ready: dict[str, float] | None = None) -> None:
+        """Make a slot per factor of :attr:`layers` and the step's :class:`~kfacflow.kfac.plan.StepPlan`.
+
+        Again only when an input of the plan changes: the layers in use (known after the first
+        step), the stages, or when the factors are expected (``ready``, for a pipeline that
+        inverts them as they arrive).
+        """
         self.slots = [FactorSlot(layer, side) for layer in self.layers for side in ("A", "G")]  # type: ignore[arg-type]
         self._trained = trained(self.layers)
-        dims = [slot.dim for slot in self.slots]
-        result, broadcast, world = self.stages.invert.result, self.stages.broadcast, self.backend.world_size
-        if broadcast.update:  # what travels is the layer's update, once for both of its factors
-            sizes = [slot.layer.a_dim * slot.layer.g_dim for slot in self.slots]
-        else:
-            sizes = [result.full_elements(d) if broadcast.full else result.elements(d) for d in dims]
-        owners = self.stages.placement(dims, sizes, world, self.profile)
-        self.update_buckets: dict[str, list[str]] = {}
-        """With ``kfac.broadcast=fused_update``: the layers of each bucket, keyed by its last layer."""
-        self.gathered: set[str] = set()
-        """The buckets gathered from their owners (:func:`~kfacflow.kfac.placement.gathers`), not all-reduced."""
-        if broadcast.update:
-            owners = by_layer(dims, owners)
-            order = layer_order(dims, owners, world, self.profile)
-            self.layer_order = [self.layers[j] for j in order]
-            if broadcast.fused:
-                gather = self.backend.gathers
-                for bucket in update_buckets(order, sizes[::2], owners[::2], self.profile, world, gather):
-                    if len(bucket) > 1:
-                        key = self.layers[bucket[-1]].name
-                        self.update_buckets[key] = [self.layers[j].name for j in bucket]
-                        if gather and self.profile and gathers(bucket, sizes[::2], owners[::2], self.profile, world):
-                            self.gathered.add(key)
-                if self.gathered:
-                    logger.info(
-                        "%d of %d buckets of updates gathered from their owners",
-                        len(self.gathered),
-                        len(self.update_buckets),
-                    )
-        for slot, size, owner in zip(self.slots, sizes, owners, strict=True):
+        self._ready = ready
+        self._settled = settled = self.capture.uses is not None
+        layout = [(layer.a_dim, layer.g_dim, sum(p.numel() for p in layer.params)) for layer in self.layers]
+        times = [ready.get(slot.key, 0.0) for slot in self.slots] if ready is not None else None
+        world, caps, self._choice = self.backend.world_size, EngineCaps.of(self.backend), Choice.of(self.stages)
+        self.plan = make_plan(layout, self._choice, world, self.profile, caps, settled, times)
+        plan, names = self.plan, [layer.name for layer in self.layers]
+        for slot, size, owner in zip(self.slots, plan.sizes, plan.owners, strict=True):
             slot.flat_size, slot.owner = size, owner
-        self._schedule()
+        self.order = [self.slots[i] for i in plan.order]
+        self.layer_order = [self.layers[j] for j in plan.layer_order]
+        self.update_buckets = {names[b[-1]]: [names[j] for j in b] for b in plan.buckets}
+        """With ``kfac.broadcast=fused_update``: the layers of each bucket, keyed by its last layer."""
+        self.gathered = {names[plan.buckets[i][-1]] for i in plan.gathered}
+        """The buckets gathered from their owners (:func:`~kfacflow.kfac.placement.gathers`), not all-reduced."""
+        if self.gathered:
+            logger.info("%d of %d buckets of updates gathered from their owners", len(self.gathered), len(plan.buckets))
         self._route()
 
     def _route(self) -> None:
-        """With ``kfac.factor_sync=owner``: reduce each factor to its owner, and keep only this rank's averages.
+        """Where the plan sends factors and gradients to their owners: route them, keep only this rank's averages.
 
-        Only once the layers in use are known: the first step all-reduces (a layer dropped at its
-        end changes the placement, and factors already on their way went by the old one). An
-        engine without a reduction (Horovod) all-reduces every step, as with ``allreduce``.
+        The first step all-reduces (a layer dropped at its end changes the placement, and factors
+        already on their way went by the old one). An engine without a reduction (Horovod)
+        all-reduces every step, as with ``allreduce``.
         """
-        self._route_gradients()
-        if not self.stages.factor_sync.to_owner or self.capture.uses is None or not self.backend.reduces:
-            self.comm.routing, self.held = None, None
-            return
-        owners = {slot.key: slot.owner for slot in self.slots}
-        allreduce, reduce = (self.profile.allreduce, self.profile.broadcast) if self.profile else (None, None)
-        self.comm.routing = Routing(owners, self.backend.world_size, allreduce, reduce, self.backend.scatters)
-        self.held = {slot.key for slot in self.slots if slot.owner in (EVERY_RANK, self.backend.rank)}
-        self.running = {key: avg for key, avg in self.running.items() if key in self.held}
-
-    def _route_gradients(self) -> None:
-        """With ``kfac.grad_sync=owner``: decide whether each owned layer's gradients go to its owner alone.
-
-        Once the layers in use are known, from three ranks on, where the engine moves pieces to
-        their owners alone and the models say one reduction to the owners costs less than
-        all-reducing the same gradients (at P = 2 it moves no fewer bytes).
-        """
+        plan = self.plan
         self.grad_owned: list[list[Tensor]] = []
         """The parameters whose gradients each rank receives alone (``[]``: every gradient all-reduced)."""
-        if (
-            not self.stages.grad_sync.to_owner
-            or not self.stages.broadcast.update
-            or self.capture.uses is None
-            or not self.backend.scatters
-            or self.profile is None
-        ):
-            return
-        owned: list[list[Tensor]] = [[] for _ in range(self.backend.world_size)]
-        for slot in self.slots[::2]:
-            if slot.owner != EVERY_RANK:
-                owned[slot.owner] += slot.layer.params
-        if scatter.pays(self.profile.allreduce, self.profile.broadcast, [sum(p.numel() for p in ps) for ps in owned]):
-            self.grad_owned = owned
+        if plan.grad_owners is not None:
+            self.grad_owned = [[] for _ in range(self.backend.world_size)]
+            for layer, owner in zip(self.layers, plan.grad_owners, strict=True):
+                if owner != EVERY_RANK:
+                    self.grad_owned[owner] += layer.params
             logger.info(
-                "the gradients of %d layers go to their owners alone", sum(o != EVERY_RANK for o in self.owners[::2])
+                "the gradients of %d layers go to their owners alone", sum(o != EVERY_RANK for o in plan.grad_owners)
             )
-
-    def _schedule(self, ready: dict[str, float] | None = None) -> None:
-        """Decide the order every rank inverts in (given when each factor is expected, for the arrival pipeline)."""
-        dims, owners = [slot.dim for slot in self.slots], [slot.owner for slot in self.slots]
-        times = [ready.get(slot.key, 0.0) for slot in self.slots] if ready else None
-        order = schedule(dims, owners, self.backend.world_size, self.profile, times)
-        self.order = [self.slots[i] for i in order]
+        if plan.factor_owners is None:
+            self.comm.routing, self.held = None, None
+            return
+        owners = {slot.key: owner for slot, owner in zip(self.slots, plan.factor_owners, strict=True)}
+        allreduce, reduce = (self.profile.allreduce, self.profile.broadcast) if self.profile else (None, None)
+        self.comm.routing = Routing(owners, self.backend.world_size, allreduce, reduce, self.backend.scatters)
+        self.held = {key for key, owner in owners.items() if owner in (EVERY_RANK, self.backend.rank)}
+        self.running = {key: avg for key, avg in self.running.items() if key in self.held}
 
     @property
     def keys(self) -> list[str]:
@@ -424,10 +389,12 @@ class KFACPreconditioner:
                 break
             yield averaged
         self.capture.reset()
-        if self.comm.routing is None:
-            self._route()  # the layers in use are known from the first step on
+        ready = self._ready
         if self.stages.pipeline.invert_on_arrival:  # next step, invert in the order the factors come
-            self._schedule(estimated_arrivals(self.comm.groups, self.profile.allreduce if self.profile else None))
+            ready = estimated_arrivals(self.comm.groups, self.profile.allreduce if self.profile else None)
+        # Known from the first step on, the layers in use let factors and gradients go to their owners.
+        if ready != self._ready or (not self._settled and (self._choice.factor_to_owner or self._choice.grad_to_owner)):
+            self._plan(ready)
 
     def _keep_layers(self, names: set[str]) -> None:
         self.layers = [layer for layer in self.layers if layer.name in names]

@@ -1,0 +1,214 @@
+"""The plan of a K-FAC step, as data: who inverts each factor, in which order, what each exchange carries.
+
+One pure function, :func:`make_plan`, makes a :class:`StepPlan` from the layers' sizes, the chosen
+strategies, the world size, the performance profile and what the engine can do
+(:class:`EngineCaps`). The running preconditioner and the simulator both consume the plan it
+returns, so the two cannot drift: a rule lives here once. A plan is made again only when one of
+its inputs changes (the layers in use, the strategies, the expected arrival of the factors),
+never per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kfacflow import registry
+from kfacflow.comm import scatter
+from kfacflow.kfac.placement import by_layer, gathers, layer_order, schedule, update_buckets
+from kfacflow.kfac.stages import EVERY_RANK, Inverse, StageSet
+from kfacflow.perf import Profile
+
+if TYPE_CHECKING:
+    from kfacflow.kfac.variants import Stages
+
+Placement = Callable[[Sequence[int], Sequence[int], int, Profile | None], list[int]]
+
+
+@dataclass(frozen=True)
+class EngineCaps:
+    """What the engine does besides all-reduces and broadcasts (:class:`~kfacflow.comm.base.Backend`'s flags).
+
+    ``reduces``: a reduction to one rank (Horovod has none; nor has gloo with CUDA tensors).
+    ``scatters``: a reduction to several owners at once, each receiving its own piece (NCCL's pays).
+    ``gathers``: every owner's piece to every rank at once.
+    """
+
+    reduces: bool = True
+    scatters: bool = False
+    gathers: bool = False
+
+    @classmethod
+    def of(cls, backend: object) -> EngineCaps:
+        """The flags of ``backend`` (a :class:`~kfacflow.comm.base.Backend`)."""
+        return cls(
+            bool(getattr(backend, "reduces", False)),
+            bool(getattr(backend, "scatters", False)),
+            bool(getattr(backend, "gathers", False)),
+        )
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What the chosen strategies decide about a plan (the rest of them acts on it at run time).
+
+    Args:
+        placement: Who inverts each factor (``kfac.placement``).
+        result: The inverse method's result type (its broadcast sizes).
+        update: Whether a layer's owner sends its update instead of its inverses (``kfac.broadcast``).
+        full: Whether inverses travel as whole matrices.
+        fused: Whether updates travel in buckets.
+        factor_to_owner: Whether factors are reduced to their owners (``kfac.factor_sync=owner``).
+        grad_to_owner: Whether owned layers' gradients go to their owners (``kfac.grad_sync=owner``).
+        on_arrival: Whether factors are inverted as they arrive (the pipeline orders by arrival).
+    """
+
+    placement: Placement
+    result: type[Inverse]
+    update: bool = False
+    full: bool = False
+    fused: bool = False
+    factor_to_owner: bool = False
+    grad_to_owner: bool = False
+    on_arrival: bool = False
+
+    @classmethod
+    def of(cls, stages: StageSet) -> Choice:
+        """What the built stages of a preconditioner decide."""
+        exchange = stages.broadcast
+        return cls(
+            stages.placement,
+            stages.invert.result,
+            exchange.update,
+            exchange.full,
+            exchange.fused,
+            stages.factor_sync.to_owner,
+            stages.grad_sync.to_owner,
+            stages.pipeline.invert_on_arrival,
+        )
+
+    @classmethod
+    def named(cls, names: Stages) -> Choice:
+        """What the stages a recipe names decide (the simulator's view: nothing is built)."""
+        exchange = registry.BROADCASTS.get(names.broadcast)
+        return cls(
+            registry.PLACEMENTS.get(names.placement),  # type: ignore[arg-type]
+            registry.INVERSES.get(names.inverse).result,
+            exchange.update,
+            exchange.full,
+            exchange.fused,
+            registry.FACTOR_SYNCS.get(names.factor_sync).to_owner,
+            registry.GRAD_SYNCS.get(names.grad_sync).to_owner,
+            registry.PIPELINES.get(names.pipeline).invert_on_arrival,
+        )
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Every decision of a step's schedule; factors are A1, G1, A2, G2, ... and layers 0, 1, ...
+
+    Attributes:
+        world: P.
+        dims: Side of each factor.
+        owners: Who inverts each factor (:data:`EVERY_RANK`: every rank, nothing sent).
+        sizes: Elements each factor's result takes when it travels (its inverse, or its layer's update).
+        order: The factors in the order every rank inverts them (and posts their broadcasts).
+        layer_order: With an update exchange, the layers in the order every rank preconditions them.
+        buckets: With fused updates, the buckets of several layers (each one collective), in that order.
+        gathered: Which of ``buckets`` are gathered from their owners (not all-reduced).
+        factor_owners: Where each factor is reduced (``None``: all-reduced).
+        grad_owners: Per layer, the rank that alone receives its gradients, or :data:`EVERY_RANK`
+            (all-reduced); ``None``: every gradient all-reduced.
+    """
+
+    world: int
+    dims: tuple[int, ...]
+    owners: tuple[int, ...]
+    sizes: tuple[int, ...]
+    order: tuple[int, ...]
+    layer_order: tuple[int, ...] = ()
+    buckets: tuple[tuple[int, ...], ...] = ()
+    gathered: tuple[int, ...] = ()
+    factor_owners: tuple[int, ...] | None = None
+    grad_owners: tuple[int, ...] | None = None
+
+
+def make_plan(
+    layers: Sequence[tuple[int, int, int]],
+    choice: Choice,
+    world: int,
+    profile: Profile | None,
+    caps: EngineCaps,
+    settled: bool = True,
+    ready: Sequence[float] | None = None,
+) -> StepPlan:
+    """Plan a step.
+
+    Args:
+        layers: Each layer's ``(a_dim, g_dim, parameters)``, in the preconditioner's order.
+        choice: What the strategies decide (:class:`Choice`).
+        world: P.
+        profile: The performance models (placements and orders that estimate times use them).
+        caps: What the engine does (:class:`EngineCaps`).
+        settled: Whether the layers in use are known (after the first step): factors and
+            gradients go to their owners only then, since a layer dropped at the end of the first
+            step changes the placement while its factors are on their way.
+        ready: When each factor is expected to arrive (``choice.on_arrival``; ``None``: all at once).
+    """
+    dims = [d for a, g, _ in layers for d in (a, g)]
+    if choice.update:  # what travels is the layer's update, once for both of its factors
+        sizes = [a * g for a, g, _ in layers for _ in (0, 1)]
+    else:
+        sizes = [choice.result.full_elements(d) if choice.full else choice.result.elements(d) for d in dims]
+    owners = choice.placement(dims, sizes, world, profile)
+    order: list[int] = []
+    buckets: list[tuple[int, ...]] = []
+    gathered: list[int] = []
+    if choice.update:
+        owners = by_layer(dims, owners)
+        order = layer_order(dims, owners, world, profile)
+        if choice.fused:
+            for bucket in update_buckets(order, sizes[::2], owners[::2], profile, world, caps.gathers):
+                if len(bucket) > 1:
+                    if caps.gathers and profile and gathers(bucket, sizes[::2], owners[::2], profile, world):
+                        gathered.append(len(buckets))
+                    buckets.append(tuple(bucket))
+    times = list(ready) if choice.on_arrival and ready is not None else None
+    routed = settled and world > 1 and choice.factor_to_owner and caps.reduces
+    return StepPlan(
+        world=world,
+        dims=tuple(dims),
+        owners=tuple(owners),
+        sizes=tuple(sizes),
+        order=tuple(schedule(dims, owners, world, profile, times)),
+        layer_order=tuple(order),
+        buckets=tuple(buckets),
+        gathered=tuple(gathered),
+        factor_owners=tuple(owners) if routed else None,
+        grad_owners=_grad_owners(layers, owners, choice, world, profile, caps) if settled else None,
+    )
+
+
+def _grad_owners(
+    layers: Sequence[tuple[int, int, int]],
+    owners: Sequence[int],
+    choice: Choice,
+    world: int,
+    profile: Profile | None,
+    caps: EngineCaps,
+) -> tuple[int, ...] | None:
+    """The rank each owned layer's gradients go to alone (``kfac.grad_sync=owner``), or ``None``.
+
+    From three ranks on, where the engine moves pieces to their owners alone and the models say
+    one reduction to the owners costs less than all-reducing the same gradients (at P = 2 it
+    moves no fewer bytes).
+    """
+    if not (choice.grad_to_owner and choice.update and caps.scatters and profile is not None and world > 1):
+        return None
+    per_layer = tuple(owners[::2])
+    counts = [0] * world
+    for (_, _, params), owner in zip(layers, per_layer, strict=True):
+        if owner != EVERY_RANK:
+            counts[owner] += params
+    return per_layer if scatter.pays(profile.allreduce, profile.broadcast, counts) else None
