@@ -7,14 +7,21 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from kfacflow.config import KFACConfig
-from kfacflow.kfac.variants import PRESETS, resolve
+from kfacflow.kfac.variants import PRESETS, Stages, resolve
 from kfacflow.perf import Profile
-from kfacflow.simulation import simulate
+from kfacflow.simulation import period
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from kfacflow.comm.base import Backend
+    from kfacflow.kfac.preconditioner import Preconditioner
+    from kfacflow.kfac.strategies import StageSet
 
 logger = logging.getLogger(__name__)
 
@@ -45,21 +52,48 @@ def choose(
 ) -> str:
     """Simulate every preset on ``layers`` (this run's traced step) and ``profile``; return the fastest's name.
 
-    Every preset runs the recipe's explicit stage choices, as it would if named; inversions traced
-    with another method than a preset's are rescaled by the profile's models of both. The table
-    is logged. ``scatters``, ``gathers``, ``reduces``: what this run's engine can do
+    Each is timed by its mean step over one inverse period of the recipe's intervals
+    (:func:`~kfacflow.simulation.period`: at 10/100, the preset fastest at 10/100). Every preset
+    runs the recipe's explicit stage choices, as it would if named; inversions traced with another
+    method than a preset's are rescaled by the profile's models of both. The table is logged.
+    ``scatters``, ``gathers``, ``reduces``: what this run's engine can do
     (:class:`~kfacflow.comm.base.Backend`), so no preset is chosen for a route the run would not take.
     """
     totals = {}
     for name in PRESETS:
         stages = resolve(preset_config(cfg, name))
-        threshold = cfg.kfac.fusion_threshold_mb
-        parts = simulate(layers, profile, world_size, stages, True, threshold, scatters, gathers, reduces)
+        parts = period(layers, profile, world_size, stages, True, cfg.kfac, scatters, gathers, reduces)
         totals[name] = parts["total"]
     best = min(totals, key=lambda name: (totals[name], PRESETS.index(name)))
     table = ", ".join(f"{name} {seconds:.3f} s" for name, seconds in totals.items())
-    logger.info("kfac.variant=auto: simulated steps %s; using %s", table, best)
+    logger.info("kfac.variant=auto: simulated steps (the mean over an inverse period) %s; using %s", table, best)
     return best
+
+
+def switch(
+    kfac: Preconditioner,
+    traced: dict[str, Any] | None,
+    cfg: DictConfig,
+    backend: Backend,
+    build: Callable[[KFACConfig, Stages, Profile], StageSet],
+) -> tuple[str, Stages]:
+    """Choose on rank 0 from its ``traced`` step, tell every rank, and run the chosen preset's stages from now on.
+
+    ``build``: :func:`kfacflow.build.stages` (which imports this module).
+
+    Returns:
+        The preset's name and its stages.
+    """
+    assert kfac.profile is not None
+    name = None
+    if backend.rank == 0 and traced is not None:
+        world = backend.world_size
+        name = choose(traced, kfac.profile, world, cfg, backend.scatters, backend.gathers, backend.reduces)
+    name = backend.broadcast_object(name)
+    chosen = preset_config(cfg, name)
+    stages = resolve(chosen)
+    kfac.reconfigure(build(chosen, stages, kfac.profile), kfac.profile.for_method(stages.inverse))
+    return name, stages
 
 
 def methods(cfg: DictConfig) -> set[str]:

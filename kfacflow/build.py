@@ -27,8 +27,10 @@ from kfacflow.calibration import calibrate
 from kfacflow.comm.base import Backend
 from kfacflow.config import DistConfig, KFACConfig
 from kfacflow.data import DataInfo, build_datasets, check_shard
-from kfacflow.kfac.preconditioner import KFACPreconditioner
-from kfacflow.kfac.stages import FusionOptions, StageSet
+from kfacflow.kfac import options, strategies
+from kfacflow.kfac.preconditioner import Preconditioner
+from kfacflow.kfac.stages import FusionOptions
+from kfacflow.kfac.strategies import StageSet
 from kfacflow.kfac.variants import Stages, resolve
 from kfacflow.loader import ResumableSampler, eval_loader, train_loader
 from kfacflow.models import build_model, check_name
@@ -54,7 +56,11 @@ PLUGINS = (
     "kfacflow.kfac.inverse",
     "kfacflow.kfac.cupy_inverse",
     "kfacflow.kfac.precondition",
-    "kfacflow.kfac.overlap",
+    "kfacflow.kfac.pipeline",
+    "kfacflow.kfac.inverse_broadcast",
+    "kfacflow.kfac.update_broadcast",
+    "kfacflow.kfac.grad_sync",
+    "kfacflow.kfac.factor_sync",
 )
 """The modules that fill the registries."""
 PROFILE = "profile.yaml"
@@ -82,7 +88,7 @@ def check(cfg: DictConfig) -> None:
         (registry.VARIANTS, k.variant),
         (registry.FACTORS, k.factor),
         (registry.PRECONDITIONERS, k.precondition),
-        (registry.COMMUNICATORS, k.fusion),
+        (registry.FUSIONS, k.fusion),
         (registry.PLACEMENTS, k.placement),
         (registry.INVERSES, k.inverse),
         (registry.PIPELINES, k.pipeline),
@@ -94,6 +100,7 @@ def check(cfg: DictConfig) -> None:
             reg.get(name)
     names = resolve(k)
     check_stages(names)
+    options.check(k)
     check_name(cfg.model.name)
     if k.profile:
         for method in Profile.load(k.profile).methods:  # a misspelt method would silently use the default model
@@ -111,10 +118,12 @@ def check(cfg: DictConfig) -> None:
             )
     if cfg.dist.backend == "horovod":
         # The recipe's own mistake first: it needs no Horovod installed to be found.
-        if names.preconditioned and registry.GRAD_SYNCS.get(names.grad_sync).deferred:
+        chosen = names.strategies()
+        for kind, need in strategies.unmet(chosen, engine=frozenset()) if names.preconditioned else []:
             raise UserError(
-                f"kfac.grad_sync={names.grad_sync} (kfac.variant={k.variant}) needs dist.backend=torch: Horovod's "
-                "optimizer averages gradients in the backward pass; set kfac.grad_sync=overlap."
+                f"kfac.{kind}={chosen[kind]} (kfac.variant={k.variant}) needs dist.backend=torch: Horovod's "
+                f"optimizer averages gradients in the backward pass; set kfac.{kind}="
+                f"{strategies.fallback(chosen, kind, need)}."
             )
         _check_horovod(cfg.launch.nproc)
     if cfg.dist.device == "cuda" and not torch.cuda.is_available():
@@ -139,25 +148,13 @@ def _check_engine(cfg: DictConfig) -> None:
 
 
 def check_stages(names: Stages) -> None:
-    """Check that the chosen stages fit together.
+    """Check that the chosen stages fit together (:func:`kfacflow.kfac.strategies.check`).
 
     Raises:
         UserError: Naming the key to change.
     """
-    if not names.preconditioned or registry.BROADCASTS.get(names.broadcast).update:
-        return  # owners precondition their layers: factors and gradients may stay with them
-    if registry.FACTOR_SYNCS.get(names.factor_sync).to_owner:
-        raise UserError(
-            f"kfac.factor_sync={names.factor_sync} leaves each factor on its owner alone, but "
-            f"kfac.broadcast={names.broadcast} sends inverses that every rank applies; set kfac.broadcast=update "
-            "or fused_update, or kfac.factor_sync=allreduce."
-        )
-    if registry.GRAD_SYNCS.get(names.grad_sync).to_owner:
-        raise UserError(
-            f"kfac.grad_sync={names.grad_sync} leaves each layer's gradients on its owner alone, but "
-            f"kfac.broadcast={names.broadcast} has every rank precondition every layer; set kfac.broadcast=update "
-            "or fused_update, or kfac.grad_sync=deferred."
-        )
+    if names.preconditioned:
+        strategies.check(names.strategies())
 
 
 def check_device(names: Stages, device: str | torch.device) -> None:
@@ -226,7 +223,7 @@ def needs_profile(names: Stages) -> bool:
     """Whether the chosen fusion or placement plans with a performance profile (``auto`` simulates with one)."""
     return names.preconditioned and (
         names.choose
-        or registry.COMMUNICATORS.entry(names.fusion).needs_profile
+        or registry.FUSIONS.entry(names.fusion).needs_profile
         or registry.PLACEMENTS.entry(names.placement).needs_profile
     )
 
@@ -239,13 +236,13 @@ def stages(cfg: KFACConfig, names: Stages, profile: Profile | None) -> StageSet:
     """
     check_stages(names)
     fusion = FusionOptions(
-        threshold_bytes=int(cfg.fusion_threshold_mb * 2**20),
+        own=options.of(registry.FUSIONS.entry(names.fusion), cfg),
         profile_steps=cfg.profile_steps,
         allreduce=profile.allreduce if profile is not None else None,
     )
     return StageSet(
         factor=registry.FACTORS.get(cfg.factor)(),
-        fusion=registry.COMMUNICATORS.get(names.fusion)(fusion),
+        fusion=registry.FUSIONS.get(names.fusion)(fusion),
         placement=registry.PLACEMENTS.get(names.placement),
         invert=registry.INVERSES.get(names.inverse),
         precondition=registry.PRECONDITIONERS.get(cfg.precondition)(cfg.kl_clip),
@@ -264,19 +261,14 @@ def preconditioner(
     timer: StepTimer | None = None,
     accumulate: int = 1,
     batch_dim: int = 0,
-) -> KFACPreconditioner:
+) -> Preconditioner:
     """Build K-FAC for ``model`` from the ``kfac`` section of a recipe (its variant must precondition)."""
     load_plugins()
     names = resolve(cfg)
     check_device(names, backend.device)
     planning = profile.for_method(names.inverse) if profile is not None else None
     built = stages(cfg, names, profile)
-    return KFACPreconditioner(model, cfg, built, backend, planning, timer, accumulate, batch_dim)
-
-
-def deferred_gradients(names: Stages, world_size: int) -> bool:
-    """Whether gradients are all-reduced behind the factors by kfacflow (not by DDP in the backward pass)."""
-    return world_size > 1 and registry.GRAD_SYNCS.get(names.grad_sync).deferred
+    return Preconditioner(model, cfg, built, backend, planning, timer, accumulate, batch_dim)
 
 
 def profile(cfg: DictConfig, backend: Backend, run_dir: Path, dtype: torch.dtype) -> Profile:
@@ -315,7 +307,7 @@ class Training:
 
     model: nn.Module
     net: nn.Module
-    kfac: KFACPreconditioner | None
+    kfac: Preconditioner | None
     optimizer: torch.optim.Optimizer
     scheduler: LambdaLR
     loader: DataLoader[Any]
@@ -327,8 +319,6 @@ class Training:
     steps_per_epoch: int
     total: int
     resume_state: dict[str, Any] | None
-    deferred_gradients: bool = False
-    """Gradients are all-reduced behind the factors, not by DDP in the backward pass."""
 
 
 def training(cfg: DictConfig, backend: Backend, run_dir: Path, timer: StepTimer) -> Training:
@@ -370,10 +360,9 @@ def training(cfg: DictConfig, backend: Backend, run_dir: Path, timer: StepTimer)
         )
     scheduler = build_scheduler(optimizer, cfg.schedule, steps_per_epoch, total)
     seed_all(cfg.train.seed + 1 + rank)  # per-rank streams for dropout and augmentation
-    deferred = kfac is not None and deferred_gradients(names, world)
     return Training(
         model, net, kfac, optimizer, scheduler, loader, sampler, val_loader, info, names, dtype,
-        steps_per_epoch, total, state, deferred,
+        steps_per_epoch, total, state,
     )  # fmt: skip
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from kfacflow import UserError
 
@@ -287,7 +287,10 @@ class KFACConfig:
     inv_update_freq: int = field(default=1, metadata=at_least(1, "steps between inverse updates"))
     """Steps between inverse updates; a multiple of ``factor_update_freq``."""
     fusion_threshold_mb: float = field(default=64.0, metadata=above(0, "MiB"))
-    """Fusion buffer of the ``threshold`` policy, in MiB (Horovod's default)."""
+    """Fusion buffer of the ``threshold`` policy, in MiB (Horovod's default); the same as ``options.threshold.mb``."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """The settings of stages that have their own, by stage name: ``kfac.options.<name>.<setting>`` (e.g.
+    ``kfac.options.threshold.mb=32``); each stage declares its own and checks them."""
     profile: Optional[str] = None
     """Performance-model profile (tools/fit_perf_models.py); empty calibrates at start when needed."""
     profile_steps: int = field(default=5, metadata=at_least(1))

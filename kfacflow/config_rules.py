@@ -12,13 +12,13 @@ from kfacflow.config import KFACConfig, Range, RunConfig
 from kfacflow.config_errors import merge
 
 
-def _check_ranges(node: DictConfig, cls: type, prefix: str = "") -> None:
+def check_ranges(node: DictConfig, cls: type, prefix: str = "") -> None:
     """Apply every field's ``metadata["range"]`` of the dataclass ``cls`` (and its sections) to ``node``."""
     hints = get_type_hints(cls)
     for f in fields(cls):
         key, value = f"{prefix}{f.name}", node[f.name]
         if is_dataclass(hints[f.name]):
-            _check_ranges(value, hints[f.name], f"{key}.")
+            check_ranges(value, hints[f.name], f"{key}.")
         elif "range" in f.metadata:
             rule: Range = f.metadata["range"]
             if isinstance(value, ListConfig):
@@ -66,7 +66,7 @@ def check(cfg: DictConfig) -> None:
     Raises:
         UserError: Naming the key to change.
     """
-    _check_ranges(cfg, RunConfig)
+    check_ranges(cfg, RunConfig)
     _check_name(cfg.name)
     if cfg.resume is not None and not cfg.resume.strip():
         reject_empty_resume()
@@ -94,7 +94,7 @@ def kfac_section(values: dict[str, Any], where: str) -> KFACConfig:
         UserError: An unknown key, a wrong type or a value out of range, naming the key.
     """
     node = merge(OmegaConf.structured(KFACConfig), values, where)
-    _check_ranges(node, KFACConfig, "")
+    check_ranges(node, KFACConfig, "")
     _check_update_freqs(node, f"{where}: ", "")
     section = OmegaConf.to_object(node)
     assert isinstance(section, KFACConfig)

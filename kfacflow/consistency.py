@@ -108,3 +108,31 @@ def take_rank0(tensor: Tensor, backend: Backend) -> None:
     moved = tensor.to(backend.device)
     backend.broadcast_async(moved, 0).wait()
     tensor.copy_(moved)
+
+
+def skipped(params: Sequence[Tensor], step: int, scaler: bool, ranks: int, in_row: int, limit: int) -> None:
+    """Report a step every rank skipped; end training where skipping cannot help.
+
+    Args:
+        params: The model's parameters (non-finite already: an earlier update overflowed).
+        step: The step that comes next.
+        scaler: Whether the loss scale's overflow caused it (float16: the scaler backs off, no fault).
+        ranks: On how many ranks the loss, gradients or update were non-finite.
+        in_row: Faulty skips in a row so far.
+        limit: The most allowed in a row (``train.max_nonfinite``).
+
+    Raises:
+        TrainingError: The parameters are non-finite, or too many steps in a row were.
+    """
+    if scaler:
+        logger.info("step %d skipped on every rank: float16 gradients overflowed; the loss scale backs off", step)
+    else:
+        logger.warning("step %d skipped on every rank: non-finite loss, gradient or update on %d rank(s)", step, ranks)
+    hint = "lower optim.lr or optim.weight_decay, raise kfac.damping or kfac.kl_clip, or check the data"
+    if not all_finite(params):
+        raise TrainingError(f"the parameters are non-finite before step {step}: an update overflowed; {hint}.")
+    if in_row >= limit:
+        raise TrainingError(
+            f"the loss, gradients or update were non-finite in {in_row} steps in a row (up to "
+            f"step {step}); {hint} (train.max_nonfinite sets the limit)."
+        )

@@ -1,6 +1,6 @@
 """K-FAC for your own model, data, optimizer and loop: :class:`KFACPreconditioner` (``kfacflow.KFACPreconditioner``).
 
-The recipe runner builds the same preconditioner (:class:`kfacflow.kfac.preconditioner.KFACPreconditioner`)
+The recipe runner builds the same preconditioner (:class:`kfacflow.kfac.preconditioner.Preconditioner`)
 from a recipe; here it is built from keyword arguments named as the recipe's ``kfac.*`` keys and
 validated by the same schema, under a process group the user started (``torchrun`` and
 ``torch.distributed.init_process_group``, or ``hvd.init()``).
@@ -21,9 +21,10 @@ from torch import nn
 
 from kfacflow import UserError, build, registry
 from kfacflow.calibration import calibrate
-from kfacflow.comm.base import Backend, GradientAllreduce
+from kfacflow.comm.base import Backend
 from kfacflow.config import DistConfig
 from kfacflow.config_rules import kfac_section
+from kfacflow.kfac.strategies import AFTER_BACKWARD
 from kfacflow.kfac.variants import Stages, resolve
 from kfacflow.perf import Profile
 
@@ -172,7 +173,8 @@ class KFACPreconditioner:
         self.cfg = cfg
 
     def _grad_sync(self, cfg: Any, names: Stages, wrapped: bool, backend: str) -> Stages:
-        deferred = registry.GRAD_SYNCS.get(names.grad_sync).deferred
+        # A grad sync that needs the gradients averaged after backward averages them itself.
+        deferred = AFTER_BACKWARD in registry.GRAD_SYNCS.get(names.grad_sync).needs
         if self.averages and not deferred:
             logger.info("the model is not wrapped in DDP: kfacflow averages its gradients after the backward pass")
             return replace(names, grad_sync="deferred")
@@ -230,8 +232,7 @@ class KFACPreconditioner:
         lr = _checked("lr", lr, step)
         self.core.cfg.damping = _checked("damping", _at(self.damping, step), step)
         self._intervals(step)
-        gradients = GradientAllreduce(self.backend, list(self.model.parameters())) if self.averages else None
-        self.core.step(lr, gradients)
+        self.core.step(lr, self.core.stages.grad_sync.gradients(self.backend, list(self.model.parameters())))
         self._intervals(step + 1)  # whether the next forward pass captures factors
 
     def _intervals(self, step: int) -> None:

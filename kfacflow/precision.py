@@ -4,7 +4,7 @@ Parameters, gradients, the optimizer and K-FAC's factors stay in ``train.dtype``
 pass and the loss run in bfloat16 or float16 (``torch.autocast``). Float16 gradients overflow
 and underflow, so its loss is scaled (``torch.amp.GradScaler``) and the gradients unscaled before
 K-FAC sees them; K-FAC's G factors are computed from the unscaled output gradients
-(:attr:`~kfacflow.kfac.preconditioner.KFACPreconditioner.grad_scaler`).
+(:attr:`~kfacflow.kfac.preconditioner.Preconditioner.grad_scaler`).
 
 The scaler's own skip decision is per rank (each sees its own gradients before they are
 averaged when ``kfac.grad_sync=deferred``); the trainer's skip is agreed by every rank. So the

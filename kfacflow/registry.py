@@ -20,18 +20,7 @@ if TYPE_CHECKING:
     from torch.utils.data import Dataset
 
     from kfacflow.comm.base import Backend
-    from kfacflow.kfac.stages import (
-        Broadcast,
-        FactorStage,
-        FactorSync,
-        FusionFactory,
-        GradSync,
-        InverseMethod,
-        Pipeline,
-        Placement,
-        PreconditionFactory,
-        Variant,
-    )
+    from kfacflow.kfac.stages import FactorStage, FusionFactory, InverseMethod, Placement, PreconditionFactory, Variant
 
 T = TypeVar("T")
 
@@ -45,6 +34,8 @@ class Entry(Generic[T]):
     description: str
     needs_profile: bool = False
     """Whether it plans with a performance profile (``kfac.profile``, or a calibration at start)."""
+    options: type | None = None
+    """Its own settings, a dataclass (``kfac.options.<name>``: :mod:`kfacflow.kfac.options`), if it has any."""
 
 
 class Registry(Generic[T]):
@@ -65,24 +56,28 @@ class Registry(Generic[T]):
         """What a ``module.path:factory`` name must give, if the user may name their own (empty: no)."""
         self._entries: dict[str, Entry[T]] = {}
 
-    def register(self, name: str, description: str, needs_profile: bool = False) -> Callable[[T], T]:
+    def register(
+        self, name: str, description: str, needs_profile: bool = False, options: type | None = None
+    ) -> Callable[[T], T]:
         """Decorator form of :meth:`add`."""
 
         def deco(obj: T) -> T:
-            self.add(name, obj, description, needs_profile)
+            self.add(name, obj, description, needs_profile, options)
             return obj
 
         return deco
 
-    def add(self, name: str, obj: T, description: str, needs_profile: bool = False) -> None:
-        """Register ``obj`` under ``name``.
+    def add(
+        self, name: str, obj: T, description: str, needs_profile: bool = False, options: type | None = None
+    ) -> None:
+        """Register ``obj`` under ``name`` (``options``: the dataclass of its own settings, if any).
 
         Raises:
             ValueError: If ``name`` is already registered (a programming error).
         """
         if name in self._entries:
             raise ValueError(f"{self.kind} {name!r} is registered twice")
-        self._entries[name] = Entry(name, obj, description, needs_profile)
+        self._entries[name] = Entry(name, obj, description, needs_profile, options)
 
     def entry(self, name: str) -> Entry[T]:
         """Return the entry of ``name`` (its object and metadata); raises as :meth:`get` does."""
@@ -157,14 +152,16 @@ SCHEDULES: Registry[Callable[..., Callable[[int], float]]] = Registry("schedule"
 BACKENDS: Registry[Callable[..., Backend]] = Registry("backend", "dist.backend")
 VARIANTS: Registry[Variant] = Registry("variant", "kfac.variant")
 FACTORS: Registry[Callable[[], FactorStage]] = Registry("factor", "kfac.factor")
-COMMUNICATORS: Registry[FusionFactory] = Registry("fusion", "kfac.fusion")
+FUSIONS: Registry[FusionFactory] = Registry("fusion", "kfac.fusion")
 PLACEMENTS: Registry[Placement] = Registry("placement", "kfac.placement")
 INVERSES: Registry[InverseMethod] = Registry("inverse", "kfac.inverse")
 PRECONDITIONERS: Registry[PreconditionFactory] = Registry("precondition", "kfac.precondition")
-PIPELINES: Registry[Pipeline] = Registry("pipeline", "kfac.pipeline")
-BROADCASTS: Registry[Broadcast] = Registry("broadcast", "kfac.broadcast")
-GRAD_SYNCS: Registry[GradSync] = Registry("grad_sync", "kfac.grad_sync")
-FACTOR_SYNCS: Registry[FactorSync] = Registry("factor_sync", "kfac.factor_sync")
+# The strategies' protocols are kfacflow.kfac.strategies' (which uses these registries): each strategy
+# subclasses its kind's protocol, so mypy checks it there; here they are typed loosely.
+PIPELINES: Registry[Any] = Registry("pipeline", "kfac.pipeline")
+BROADCASTS: Registry[Any] = Registry("broadcast", "kfac.broadcast")
+GRAD_SYNCS: Registry[Any] = Registry("grad_sync", "kfac.grad_sync")
+FACTOR_SYNCS: Registry[Any] = Registry("factor_sync", "kfac.factor_sync")
 
 ALL: dict[str, Registry[Any]] = {
     r.kind: r
@@ -176,7 +173,7 @@ ALL: dict[str, Registry[Any]] = {
         BACKENDS,
         VARIANTS,
         FACTORS,
-        COMMUNICATORS,
+        FUSIONS,
         PLACEMENTS,
         INVERSES,
         PRECONDITIONERS,

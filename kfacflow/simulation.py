@@ -24,23 +24,43 @@ worker does not change with P.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from kfacflow import registry
 from kfacflow.comm import scatter
-from kfacflow.kfac import inverse, overlap  # noqa: F401  (they register the entries looked up below)
+from kfacflow.config import KFACConfig
+from kfacflow.kfac import (  # noqa: F401  (they register)  # noqa: F401  (the entries looked up below)
+    factor_sync,
+    grad_sync,
+    inverse,
+    inverse_broadcast,
+    options,
+    pipeline,
+    placement,
+    update_broadcast,
+)
 from kfacflow.kfac.fusion import SCATTER, Ready, Routing, estimated_arrivals, plan_launches
 from kfacflow.kfac.packing import packed_size
-from kfacflow.kfac.placement import EVERY_RANK
 from kfacflow.kfac.plan import Choice, EngineCaps, StepPlan, make_plan
 from kfacflow.kfac.stages import FusionOptions
 from kfacflow.kfac.variants import Stages
 from kfacflow.perf import LinearModel, Profile
+from kfacflow.replay import BUCKET_ELEMENTS, PARTS, Link, Replay, counts, per_element, precondition_costs
 
-BUCKET_ELEMENTS = 25 * 2**20 // 4
-"""DDP's default gradient bucket (25 MiB of float32)."""
-PARTS = ("FF&BP", "GradComm", "FactorComp", "FactorComm", "InverseComp", "InverseComm", "Other")
+__all__ = [
+    "PARTS",
+    "Link",
+    "average",
+    "lower_bound",
+    "per_element",
+    "precondition_costs",
+    "scale_compute",
+    "scaled",
+    "simulate",
+    "step_plan",
+    "with_method",
+]
 
 
 def scaled(profile: Profile, workers: int) -> Profile:
@@ -62,53 +82,18 @@ def scaled(profile: Profile, workers: int) -> Profile:
     )
 
 
-@dataclass
-class Link:
-    """One shared network link: operations run one at a time in the order they are posted.
-
-    A reduction to one rank between two (``into``) uses one direction only: reductions to
-    different ranks run at once, each after everything posted before it that uses its direction.
-    """
-
-    free: float = 0.0
-    into: dict[int, float] = field(default_factory=dict)
-    """When each direction (by receiving rank) is free of reductions."""
-
-    def send(self, launch: float, seconds: float, into: int | None = None) -> float:
-        """Run an operation posted at ``launch`` taking ``seconds``; return when it ends."""
-        if into is None:
-            self.free = max(self.free, launch, *self.into.values()) + seconds
-            self.into = dict.fromkeys(self.into, self.free)
-            return self.free
-        self.into[into] = max(self.free, launch, self.into.get(into, 0.0)) + seconds
-        return self.into[into]
-
-
-@dataclass
-class _Rank:
-    """One rank's clock during the inverse and precondition phases, and what it waited for."""
-
-    t: float
-    inverse: float = 0.0
-    waits: dict[str, float] | None = None
-
-    def wait(self, until: float, part: str) -> None:
-        if until > self.t:
-            self.waits = self.waits or {}
-            self.waits[part] = self.waits.get(part, 0.0) + until - self.t
-            self.t = until
-
-
 def simulate(
     layers: dict[str, Any],
     profile: Profile,
     workers: int,
     stages: Stages,
     use_measured: bool = True,
-    threshold_mb: float = 64.0,
+    kfac: Any = None,
     scatters: bool = True,
     gathers: bool = True,
     reduces: bool = True,
+    factors: bool = True,
+    inverting: bool = True,
 ) -> dict[str, float]:
     """Return the breakdown and total of one step (seconds) of ``stages`` on ``workers`` ranks.
 
@@ -118,29 +103,121 @@ def simulate(
         workers: P.
         stages: The stage choices (a variant's, :func:`kfacflow.kfac.variants.resolve`).
         use_measured: Inverse times as traced, where the trace has them; else the profile's model.
-        threshold_mb: The ``threshold`` fusion's buffer.
+        kfac: The recipe's ``kfac`` section, where stages with settings of their own take them
+            (:mod:`kfacflow.kfac.options`; ``None``: their defaults).
         scatters: Whether the engine reduces to several owners at once (NCCL; gloo's is no faster than
             its all-reduce): :attr:`~kfacflow.comm.base.Backend.scatters`.
         gathers: Whether it gathers from several owners at once: :attr:`~kfacflow.comm.base.Backend.gathers`.
         reduces: Whether it reduces to one rank (Horovod does not, nor gloo with CUDA tensors):
             :attr:`~kfacflow.comm.base.Backend.reduces`.
+        factors: Whether the step updates factors (``kfac.factor_update_freq``).
+        inverting: Whether it inverts (``kfac.inv_update_freq``); :func:`period` takes the mean over both.
     """
     prof = scaled(profile.for_method(stages.inverse), workers)
     if use_measured:
         layers = with_method(layers, profile, stages.inverse)
-    rows = layers["layers"]
-    measured = layers["breakdown"]
+    caps, sync = EngineCaps(reduces, scatters, gathers), registry.GRAD_SYNCS.get(stages.grad_sync)
+    kfac = kfac or KFACConfig()
+    step, launches, elements = _passes(layers, prof, workers, stages, use_measured, kfac, caps, factors)
+    step.costs = step.costs if inverting else [0.0] * len(step.costs)
+    step.inverting = inverting
+    # Factors to owners (as the plan routes them): one reduction per owner of a group (a broadcast
+    # reversed: its cost), in one direction of the link between two ranks; the NCTs all-reduced.
+    owner = dict(zip(step.keys, step.plan.factor_owners or (), strict=True)) if step.plan.factor_owners else {}
+    routing = Routing(owner, workers, prof.allreduce, prof.broadcast, scatters)
+    ops: list[tuple[float, int, int, list[str], int | None]] = [
+        (at, 0, sum(elements[k] for k in part), part, dst)
+        for at, keys in launches
+        for dst, part in (routing.parts(keys, elements) if owner else [(None, keys)])
+    ]
+    if workers > 1:  # gradients the backward pass posts (DDP's buckets) go before K-FAC's hooks run
+        ops += [(at, -1, m, [], None) for at, m in sync.in_backward(step)]
+    _on_the_link(step, ops, elements, owner)
+    sync.replay(step)
+    return registry.BROADCASTS.get(stages.broadcast).replay(step, registry.PIPELINES.get(stages.pipeline))
+
+
+def _on_the_link(
+    step: Replay,
+    ops: list[tuple[float, int, int, list[str], int | None]],
+    elements: dict[str, int],
+    owner: dict[str, int],
+) -> None:
+    """Run the backward pass's collectives on the link in the order posted: when each factor arrives, the gradients."""
+    prof, workers = step.prof, step.workers
+    step.grads_done = step.t_bwd
+    for at, kind, m, keys, dst in sorted(ops, key=lambda op: (op[0], op[1])):
+        if workers == 1:
+            end = at
+        elif dst is None:
+            end = step.link.send(at, prof.allreduce(m))
+        elif dst == SCATTER:
+            end = step.link.send(at, scatter.cost(prof.broadcast, counts(keys, elements, owner, workers)))
+        else:
+            end = step.link.send(at, prof.broadcast(m), dst if workers == 2 else None)
+        if kind < 0:
+            step.grads_done = max(step.grads_done, end)
+        step.arrival.update(dict.fromkeys(keys, end))
+
+
+def period(
+    layers: dict[str, Any],
+    profile: Profile,
+    workers: int,
+    stages: Stages,
+    use_measured: bool = True,
+    kfac: Any = None,
+    scatters: bool = True,
+    gathers: bool = True,
+    reduces: bool = True,
+) -> dict[str, float]:
+    """The mean step over one inverse period of ``kfac.factor_update_freq`` F and ``kfac.inv_update_freq`` I.
+
+    Of I steps, one updates factors and inverts, I/F - 1 update factors only, and the rest neither:
+    each kind simulated once (:func:`simulate`), weighted by how often it comes. At 1/1 it is
+    :func:`simulate`'s step.
+    """
+    kfac = kfac or KFACConfig()
+    f, i = int(_get(kfac, "factor_update_freq")), int(_get(kfac, "inv_update_freq"))
+    kinds = [((True, True), 1), ((True, False), i // f - 1), ((False, False), i - i // f)]
+    total: dict[str, float] = {}
+    for (factors, inverting), count in kinds:
+        if count:
+            args = (use_measured, kfac, scatters, gathers, reduces, factors, inverting)
+            for part, seconds in simulate(layers, profile, workers, stages, *args).items():
+                total[part] = total.get(part, 0.0) + seconds * count / i
+    return total
+
+
+def _get(kfac: Any, key: str) -> Any:
+    return kfac[key] if isinstance(kfac, dict) else getattr(kfac, key)
+
+
+def _passes(
+    layers: dict[str, Any],
+    prof: Profile,
+    workers: int,
+    stages: Stages,
+    use_measured: bool,
+    kfac: Any,
+    caps: EngineCaps,
+    factors: bool = True,
+) -> tuple[Replay, list[tuple[float, list[str]]], dict[str, int]]:
+    """Replay forward and backward: when each factor is ready, the fusion's launches, DDP's buckets, the plan.
+
+    ``factors=False``: a step that updates no factor (no hooks' work, nothing launched, nothing averaged).
+    """
+    rows, measured = layers["layers"], layers["breakdown"]
     hooks, ffbp = measured_compute(layers)
     # Layer times come from hooks; scale them so forward + backward add up to the measured FF&BP,
     # which excludes the factor work and the communication launched inside the hooks.
     share = layers["t_forward_total"] / max(layers["t_forward_total"] + layers["t_backward_total"], 1e-12)
     f_scale = ffbp * share / (sum(r["t_forward"] for r in rows) or 1.0)
     b_scale = ffbp * (1 - share) / (sum(r["t_backward"] for r in rows) or 1.0)
-    deferred = workers > 1 and registry.GRAD_SYNCS.get(stages.grad_sync).deferred
     t = 0.0
     forward: list[Ready] = []
     for r in rows:
-        t += r["t_factor_a"]
+        t += r["t_factor_a"] if factors else 0.0
         forward.append(Ready(f"{r['name']}/A", t, packed_size(r["a_dim"])))
         t += r["t_forward"] * f_scale
     t_fwd = t
@@ -152,56 +229,25 @@ def simulate(
         if bucket >= BUCKET_ELEMENTS:
             grads.append((t, bucket))
             bucket = 0
-        t += r["t_factor_g"]
+        t += r["t_factor_g"] if factors else 0.0
         backward.append(Ready(f"{r['name']}/G", t, packed_size(r["g_dim"])))
-    t_bwd = t
     if bucket:
-        grads.append((t_bwd, bucket))
-    # One link for every collective, in the order they are posted.
-    options = FusionOptions(threshold_bytes=int(threshold_mb * 2**20), allreduce=prof.allreduce)
-    launches = plan_launches(registry.COMMUNICATORS.get(stages.fusion)(options), forward, t_fwd, backward, t_bwd)
+        grads.append((t, bucket))
+    entry = registry.FUSIONS.entry(stages.fusion)
+    fusion = FusionOptions(own=options.of(entry, kfac), allreduce=prof.allreduce)
+    launches = plan_launches(entry.obj(fusion), forward, t_fwd, backward, t)  # the plan is the factor steps'
     elements = {r.key: r.elements for r in (*forward, *backward)}
-    groups = [[(k, elements[k]) for k in keys] for _, keys in launches]
-    expected = estimated_arrivals(groups, prof.allreduce)
-    plan = step_plan(rows, prof, workers, stages, EngineCaps(reduces, scatters, gathers), expected)
-    # kfac.factor_sync=owner: one reduction per owner of a group (a broadcast reversed: its cost),
-    # in one direction of the link between two ranks; the NCTs all-reduced.
-    to_owner = plan.factor_owners is not None
-    owner = dict(zip(_keys(rows), plan.factor_owners, strict=True)) if plan.factor_owners is not None else {}
-    routing = Routing(owner, workers, prof.allreduce, prof.broadcast, scatters)
-    ops: list[tuple[float, int, int, list[str], int | None]] = [
-        (at, 0, sum(elements[k] for k in part), part, dst)
-        for at, keys in launches
-        for dst, part in (routing.parts(keys, elements) if to_owner else [(None, keys)])
-    ]
-    if workers > 1 and not deferred:
-        ops += [(at, -1, m, [], None) for at, m in grads]  # DDP launches its buckets before K-FAC's hooks run
-    link, arrival, grads_done = Link(), {}, t_bwd
-    for at, kind, m, keys, dst in sorted(ops, key=lambda op: (op[0], op[1])):
-        if workers == 1:
-            end = at
-        elif dst is None:
-            end = link.send(at, prof.allreduce(m))
-        elif dst == SCATTER:
-            end = link.send(at, scatter.cost(prof.broadcast, _per_rank(keys, owner, elements, workers)))
-        else:
-            end = link.send(at, prof.broadcast(m), dst if workers == 2 else None)
-        if kind < 0:
-            grads_done = max(grads_done, end)
-        for k in keys:
-            arrival[k] = end
-    grad_comm = 0.0 if deferred else max(0.0, grads_done - t_bwd)
-    start = t_bwd + grad_comm  # DDP's backward returns when its buckets are averaged
-    routed = _routed(rows, plan) if deferred else None
-    if deferred:  # posted after the last factor, so they queue behind every one of them
-        grads_done = start
-        if routed is not None:  # one reduction to the owners; the rest all-reduced in buckets
-            grads_done = link.send(max(start, link.free), scatter.cost(prof.broadcast, routed))
-            grads = _buckets(sum(r["params"] for j, r in enumerate(rows) if plan.owners[2 * j] == EVERY_RANK))
-        for _, m in grads:
-            grads_done = link.send(max(start, link.free), prof.allreduce(m))
-    backward_pass = _Backward(arrival, start, grads_done, grad_comm, link, plan, routed is not None)
-    return _inverse_phase(rows, measured, prof, workers, stages, use_measured, backward_pass, hooks, ffbp)
+    expected = estimated_arrivals([[(k, elements[k]) for k in keys] for _, keys in launches], prof.allreduce)
+    plan = step_plan(rows, prof, workers, stages, caps, expected)
+    dims = [d for r in rows for d in (r["a_dim"], r["g_dim"])]
+    # Averaging a factor into its running average: the traced FactorComp beyond the hooks, by size.
+    update_total = max(0.0, measured.get("FactorComp", hooks) - hooks) if factors else 0.0
+    packed = [packed_size(d) for d in dims]
+    update = [update_total * m / (sum(packed) or 1) for m in packed]
+    costs = inverse_costs(rows, prof, use_measured)
+    factor_comp = hooks + update_total if factors else 0.0
+    step = Replay(rows, measured, prof, workers, plan, costs, update, factor_comp, ffbp, Link(), {}, t, grads)
+    return step, launches if factors else [], elements
 
 
 def step_plan(
@@ -217,266 +263,9 @@ def step_plan(
     ``expected``: when each factor is expected to arrive (the trainer's estimate from the fusion's groups).
     """
     layout = [(r["a_dim"], r["g_dim"], r["params"]) for r in rows]
-    ready = [expected.get(k, 0.0) for k in _keys(rows)] if expected is not None else None
+    keys = [f"{r['name']}/{side}" for r in rows for side in ("A", "G")]
+    ready = [expected.get(k, 0.0) for k in keys] if expected is not None else None
     return make_plan(layout, Choice.named(stages), workers, profile, caps, True, ready)
-
-
-@dataclass
-class _Backward:
-    """What the forward and backward passes leave for the rest of the step."""
-
-    arrival: dict[str, float]
-    """When each factor's all-reduce ends."""
-    start: float
-    """When the K-FAC step starts (backward over, DDP's gradients averaged)."""
-    grads_done: float
-    """When the gradients are averaged."""
-    grad_comm: float
-    """The part of that the backward pass waited for."""
-    link: Link
-    plan: StepPlan
-    """The trainer's plan of the step: owners, inversion and layer orders, buckets."""
-    routed: bool = False
-    """Whether the gradients went to their owners alone (who then send the KL clipping's ``v.g``)."""
-
-
-def _inverse_phase(
-    rows: list[dict[str, Any]],
-    measured: dict[str, float],
-    prof: Profile,
-    workers: int,
-    stages: Stages,
-    use_measured: bool,
-    bwd: _Backward,
-    hooks: float,
-    ffbp: float,
-) -> dict[str, float]:
-    """Replay updates, inversions, broadcasts and preconditioning on every rank; return the breakdown."""
-    arrival, start, grads_done, grad_comm, link = bwd.arrival, bwd.start, bwd.grads_done, bwd.grad_comm, bwd.link
-    keys = _keys(rows)
-    dims = [d for r in rows for d in (r["a_dim"], r["g_dim"])]
-    costs = inverse_costs(rows, prof, use_measured)
-    # Averaging a factor into its running average: the traced FactorComp beyond the hooks, by size.
-    update_total = max(0.0, measured.get("FactorComp", hooks) - hooks)
-    packed = [packed_size(d) for d in dims]
-    update = [update_total * m / (sum(packed) or 1) for m in packed]
-    broadcast = registry.BROADCASTS.get(stages.broadcast)
-    if broadcast.update:
-        return _update_phase(rows, measured, prof, workers, stages, costs, update, bwd, hooks + update_total, ffbp)
-    sizes = list(bwd.plan.sizes)
-    # Whole matrices travel from the owner's memory and are used where they land: no (un)packing.
-    pack = [0.0] * len(dims) if broadcast.full else per_element(rows, sizes, "t_pack")
-    unpack = [0.0] * len(dims) if broadcast.full else per_element(rows, sizes, "t_unpack")
-    owners, order = bwd.plan.owners, bwd.plan.order
-    pipeline = registry.PIPELINES.get(stages.pipeline)
-    owner_keeps = broadcast.owner_keeps
-    ranks = [_Rank(start) for _ in range(workers)]
-    # Factors in the order their all-reduces end; a rank updates every factor that has arrived.
-    by_arrival = sorted(range(len(keys)), key=lambda i: (arrival.get(keys[i], start), i))
-    updated = 0  # how many of by_arrival every rank has averaged in (the same on every rank)
-    if not pipeline.invert_on_arrival:
-        all_here = max([start, *arrival.values()])
-        for rank in ranks:
-            rank.wait(all_here, "FactorComm")
-            rank.t += update_total
-        updated = len(keys)
-    sends: list[tuple[int, float]] = []  # (factor, broadcast end), in the order they are posted
-    for i in order:  # the placement's order, each factor once it is here (the trainer's loop)
-        here = arrival.get(keys[i], start)
-        while updated < len(keys) and arrival.get(keys[by_arrival[updated]], start) <= here:
-            j = by_arrival[updated]
-            for rank in ranks:
-                rank.wait(arrival.get(keys[j], start), "FactorComm")
-                rank.t += update[j]
-            updated += 1
-        for r, rank in enumerate(ranks):
-            if owners[i] in (EVERY_RANK, r):
-                rank.t += costs[i]
-                rank.inverse += costs[i]
-        if owners[i] != EVERY_RANK:
-            owner = ranks[owners[i]]
-            owner.t += pack[i]
-            sends.append((i, link.send(owner.t, prof.broadcast(sizes[i])) if workers > 1 else owner.t))
-    # Preconditioning: every layer once both of its inverses are here (and the gradients).
-    cost, rest = precondition_costs(rows, measured)
-    for r, rank in enumerate(ranks):
-        rank.wait(grads_done, "GradComm")
-        waiting = {keys[i] for i, _ in sends}
-        done: set[str] = set()
-
-        def ready(rank: _Rank = rank, waiting: set[str] = waiting, done: set[str] = done) -> None:
-            for row in rows:
-                name = row["name"]
-                if name not in done and f"{name}/A" not in waiting and f"{name}/G" not in waiting:
-                    done.add(name)
-                    rank.t += cost[name]
-
-        if pipeline.precondition_on_arrival:
-            ready()
-        for i, end in sends:
-            rank.wait(end, "InverseComm")
-            if not (owner_keeps and owners[i] == r):
-                rank.t += unpack[i]
-                rank.waits = rank.waits or {}
-                rank.waits["InverseComm"] = rank.waits.get("InverseComm", 0.0) + unpack[i]
-            waiting.discard(keys[i])
-            if pipeline.precondition_on_arrival:
-                ready()
-        ready()
-    last = max(ranks, key=lambda rank: rank.t)
-    packing = sum(pack[i] for i, _ in sends if owners[i] == ranks.index(last))
-    return _breakdown(last, rest, ffbp, grad_comm, hooks + update_total, packing)
-
-
-def _breakdown(
-    last: _Rank, rest: float, ffbp: float, grad_comm: float, factor_comp: float, packing: float = 0.0
-) -> dict[str, float]:
-    """The step's parts as the last rank to finish saw them; ``Other`` is what no part names."""
-    waits = last.waits or {}
-    parts = {
-        "FF&BP": ffbp,
-        "GradComm": grad_comm + waits.get("GradComm", 0.0),
-        "FactorComp": factor_comp,
-        "FactorComm": waits.get("FactorComm", 0.0),
-        "InverseComp": last.inverse,
-        "InverseComm": waits.get("InverseComm", 0.0) + packing,
-    }
-    parts["Other"] = last.t + rest - sum(parts.values())
-    parts["total"] = last.t + rest
-    return parts
-
-
-def _update_phase(
-    rows: list[dict[str, Any]],
-    measured: dict[str, float],
-    prof: Profile,
-    workers: int,
-    stages: Stages,
-    costs: list[float],
-    update: list[float],
-    bwd: _Backward,
-    factor_comp: float,
-    ffbp: float,
-) -> dict[str, float]:
-    """``kfac.broadcast=update``: each rank inverts and preconditions its own layers; the updates travel.
-
-    Every rank averages each factor as it arrives and inverts the ones it holds (its layers' and
-    the NCTs') in arrival order (after the last factor with the barrier pipeline). Then, after
-    the gradients, it walks the shared layer order: it preconditions its own and the NCT layers,
-    posting each own update's broadcast, and the link carries them in that order.
-    """
-    keys = _keys(rows)
-    plan = bwd.plan
-    sizes, owners = plan.sizes, plan.owners
-    to_owner = plan.factor_owners is not None
-    on_arrival = registry.PIPELINES.get(stages.pipeline).invert_on_arrival
-    start = bwd.start
-    here = [bwd.arrival.get(k, start) for k in keys]
-    if not on_arrival:
-        here = [max([start, *here])] * len(keys)
-    ranks = [_Rank(start) for _ in range(workers)]
-    for i in sorted(range(len(keys)), key=lambda i: (here[i], i)):
-        for r, rank in enumerate(ranks):
-            if to_owner and owners[i] not in (EVERY_RANK, r):
-                continue  # another rank's factor: it never comes here
-            rank.wait(here[i], "FactorComm")
-            rank.t += update[i]
-            if owners[i] in (EVERY_RANK, r):
-                rank.t += costs[i]
-                rank.inverse += costs[i]
-    cost, rest = precondition_costs(rows, measured)
-    done: dict[int, float] = {}  # communicated layers and when their owner has the update
-    for rank in ranks:
-        rank.wait(bwd.grads_done, "GradComm")
-    for j in plan.layer_order:
-        owner = owners[2 * j]
-        for r, rank in enumerate(ranks):
-            if owner in (EVERY_RANK, r):
-                rank.t += cost[rows[j]["name"]]
-        if owner != EVERY_RANK:
-            done[j] = ranks[owner].t
-    sends: list[tuple[float, float]] = []  # each bucket at its last layer, others alone: the trainer's order
-    bucket_of = {b[-1]: k for k, b in enumerate(plan.buckets)}
-    bucketed = {j for b in plan.buckets for j in b}
-    for j in done:
-        if j in bucket_of:  # a gather from the owners or a zero-filled all-reduce, as planned
-            b = plan.buckets[bucket_of[j]]
-            if bucket_of[j] in plan.gathered:
-                seconds = scatter.cost(prof.broadcast, _counts(b, sizes[::2], owners[::2], workers))
-            else:
-                seconds = prof.allreduce(sum(sizes[2 * i] for i in b))
-            sends.append((max(done[i] for i in b), seconds))
-        elif j not in bucketed:
-            sends.append((done[j], prof.broadcast(sizes[2 * j])))
-    if bwd.routed and sends:  # each owned layer's v.g (float64: two elements), after the updates
-        sends.append((max(t for t, _ in sends), prof.allreduce(2 * len(done))))
-    ends = [bwd.link.send(t, seconds) if workers > 1 else t for t, seconds in sends]
-    for rank in ranks:
-        rank.wait(max(ends, default=0.0), "InverseComm")
-    return _breakdown(max(ranks, key=lambda rank: rank.t), rest, ffbp, bwd.grad_comm, factor_comp)
-
-
-def _keys(rows: list[dict[str, Any]]) -> list[str]:
-    """The factors' keys, A1, G1, A2, G2, ..."""
-    return [f"{r['name']}/{side}" for r in rows for side in ("A", "G")]
-
-
-def _routed(rows: list[dict[str, Any]], plan: StepPlan) -> list[int] | None:
-    """The gradient elements each rank receives alone (``kfac.grad_sync=owner``; ``None``: all all-reduced)."""
-    if plan.grad_owners is None:
-        return None
-    counts = [0] * plan.world
-    for r, owner in zip(rows, plan.grad_owners, strict=True):
-        if owner != EVERY_RANK:
-            counts[owner] += r["params"]
-    return counts
-
-
-def _counts(bucket: tuple[int, ...], elements: tuple[int, ...], owners: tuple[int, ...], workers: int) -> list[int]:
-    """Elements of a bucket each rank owns."""
-    counts = [0] * workers
-    for j in bucket:
-        counts[owners[j]] += elements[j]
-    return counts
-
-
-def _buckets(elements: int) -> list[tuple[float, int]]:
-    """``elements`` of gradients in DDP-sized buckets (their times unused)."""
-    return [(0.0, min(BUCKET_ELEMENTS, elements - i)) for i in range(0, elements, BUCKET_ELEMENTS)]
-
-
-def _per_rank(keys: list[str], owner: dict[str, int], elements: dict[str, int], workers: int) -> list[int]:
-    """Elements of ``keys`` each rank owns."""
-    counts = [0] * workers
-    for k in keys:
-        counts[owner[k]] += elements[k]
-    return counts
-
-
-def precondition_costs(rows: list[dict[str, Any]], measured: dict[str, float]) -> tuple[dict[str, float], float]:
-    """Seconds to precondition each layer, and the rest of the traced step's ``Other``.
-
-    A layer the traced rank did not precondition (another rank owned it) gets the traced seconds
-    per multiply-add, ``a g (a + g)``, of those it did; what the traced rank did precondition is
-    taken out of ``Other``, and the remainder is the step's other work.
-    """
-    flops = {r["name"]: r["a_dim"] * r["g_dim"] * (r["a_dim"] + r["g_dim"]) for r in rows}
-    traced = {r["name"]: r["t_precondition"] for r in rows if r.get("t_precondition") is not None}
-    rate = sum(traced.values()) / (sum(flops[n] for n in traced) or 1)
-    rest = max(0.0, measured.get("Other", 0.0) - sum(traced.values()))
-    return {n: traced.get(n, rate * f) for n, f in flops.items()}, rest
-
-
-def per_element(rows: list[dict[str, Any]], sizes: list[int], field: str) -> list[float]:
-    """Seconds of ``field`` (``t_pack`` or ``t_unpack``) for every factor, A1, G1, A2, G2, ...
-
-    Factors the traced step did not communicate get the measured seconds per element of those it
-    did (none measured: free).
-    """
-    times = [t for r in rows for t in (r.get(f"{field}_a"), r.get(f"{field}_g"))]
-    timed = [(t, m) for t, m in zip(times, sizes, strict=True) if t is not None]
-    rate = sum(t for t, _ in timed) / sum(m for _, m in timed) if timed else 0.0
-    return [t if t is not None else rate * m for t, m in zip(times, sizes, strict=True)]
 
 
 def average(profiles: list[dict[str, Any]]) -> dict[str, Any]:
@@ -526,12 +315,14 @@ def lower_bound(
     use_measured: bool = True,
     method: str | None = None,
     shared_precondition: bool = False,
+    intervals: tuple[int, int] = (1, 1),
 ) -> float:
     """All communication hidden; inverses perfectly balanced over the workers and free to share.
 
     ``method``: the inverse method whose work is bounded (default: the traced one).
     ``shared_precondition``: the preconditioning is shared out too (``kfac.broadcast=update``),
     perfectly balanced; otherwise every rank preconditions every layer.
+    ``intervals``: factors every F steps and inverses every I, the mean over a period (as :func:`period`).
     """
     if method is not None:
         if use_measured:
@@ -543,7 +334,8 @@ def lower_bound(
     inverses = sum(inverse_costs(layers["layers"], profile, use_measured))
     cost, rest = precondition_costs(layers["layers"], measured)
     precondition = sum(cost.values()) / (workers if shared_precondition else 1)
-    return ffbp + factor_comp + inverses / workers + precondition + rest
+    every_f, every_i = intervals
+    return ffbp + factor_comp / every_f + inverses / workers / every_i + precondition + rest
 
 
 def with_method(layers: dict[str, Any], profile: Profile, method: str) -> dict[str, Any]:

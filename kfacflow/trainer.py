@@ -9,7 +9,6 @@ import time
 import traceback
 import warnings
 from collections.abc import Iterator
-from contextlib import nullcontext
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -19,12 +18,11 @@ from omegaconf import DictConfig
 from torch import Tensor
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from kfacflow import StorageError, TrainingError, UserError, auto, build, rundir
+from kfacflow import StorageError, UserError, auto, build, registry, rundir
 from kfacflow.build import Training
-from kfacflow.comm.base import Backend, GradientAllreduce
-from kfacflow.consistency import all_finite, check_replicas
+from kfacflow.comm.base import Backend
+from kfacflow.consistency import all_finite, check_replicas, skipped
 from kfacflow.data_checks import cross_entropy
-from kfacflow.kfac.variants import resolve
 from kfacflow.precision import MixedPrecision
 from kfacflow.resume import checkpoint_meta
 from kfacflow.runlog import RunLog
@@ -58,7 +56,6 @@ class Trainer:
         self.optimizer, self.scheduler = built.optimizer, built.scheduler
         self.loader, self.sampler, self.val_loader = built.loader, built.sampler, built.val_loader
         self.stages, self.steps_per_epoch, self.total = built.stages, built.steps_per_epoch, built.total
-        self.deferred = built.deferred_gradients
         self.variant = cfg.kfac.variant
         """The variant in force (``auto`` becomes the preset it chose)."""
         self.image = f"{built.info.channels}x{built.info.image_size}x{built.info.image_size}"
@@ -235,12 +232,13 @@ class Trainer:
         self._buffers = [b.detach().clone() for b in self.model.buffers()]
         # On the device, read once the step is decided: a read per micro-batch would stall a GPU's queue.
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        sync = self.kfac.stages.grad_sync if self.kfac else registry.GRAD_SYNCS.get("overlap")
         correct, samples = torch.zeros_like(loss_sum), 0
         for i, (x, y) in enumerate(batches):
             x = x.to(self.device, self.dtype, non_blocking=True, memory_format=self.memory_format)
             y = y.to(self.device, non_blocking=True)
             # Gradients are averaged over ranks once: in the step's last backward pass, or after it (deferred).
-            with self.backend.no_sync(self.net) if self.deferred or i < len(batches) - 1 else nullcontext():
+            with sync.backward(self.backend, self.net, i == len(batches) - 1):
                 with self.timer.compute("forward"), self.precision.autocast():
                     out = self._forward(x)
                     loss = cross_entropy(out, y, self.cfg.data.name, label_smoothing=self.cfg.train.label_smoothing)
@@ -253,10 +251,10 @@ class Trainer:
             self.backend.finish_gradients(self.optimizer)
         self.precision.unscale(self.optimizer)  # K-FAC and every check see the true gradients
         lr = self.optimizer.param_groups[0]["lr"]
-        gradients = GradientAllreduce(self.backend, list(self.model.parameters())) if self.deferred else None
+        gradients = sync.gradients(self.backend, list(self.model.parameters()))
         # Averaged gradients are the same on every rank: every rank makes the same choice here (deferred
         # gradients are not averaged yet; their preconditioned form is checked below).
-        usable = (self.deferred or self._gradients_finite()) and math.isfinite(lr)
+        usable = sync.usable(self.backend, self._gradients_finite) and math.isfinite(lr)
         if self.kfac and usable:
             self.kfac.step(lr, gradients)
             usable = self._gradients_finite()  # what is applied: the preconditioned gradients
@@ -344,26 +342,8 @@ class Trainer:
             for buffer, saved in zip(self.model.buffers(), self._buffers, strict=True):
                 buffer.copy_(saved)
         self._next_step()
-        if scaler_skip:
-            logger.info(
-                "step %d skipped on every rank: float16 gradients overflowed; the loss scale backs off",
-                self.step,
-            )
-        else:
-            logger.warning(
-                "step %d skipped on every rank: non-finite loss, gradient or update on %d rank(s)",
-                self.step,
-                int(flags[0]),
-            )
-        hint = "lower optim.lr or optim.weight_decay, raise kfac.damping or kfac.kl_clip, or check the data"
-        params = list(self.model.parameters())
-        if not all_finite(params):
-            raise TrainingError(f"the parameters are non-finite before step {self.step}: an update overflowed; {hint}.")
-        if self.nonfinite_in_row >= self.cfg.train.max_nonfinite:
-            raise TrainingError(
-                f"the loss, gradients or update were non-finite in {self.nonfinite_in_row} steps in a row (up to "
-                f"step {self.step}); {hint} (train.max_nonfinite sets the limit)."
-            )
+        params, limit = list(self.model.parameters()), self.cfg.train.max_nonfinite
+        skipped(params, self.step, bool(scaler_skip), int(flags[0]), self.nonfinite_in_row, limit)
         return True, totals
 
     def _traced(self, parts: dict[str, float], write: bool, choose: bool) -> None:
@@ -373,21 +353,9 @@ class Trainer:
         if write:
             self.report.timeline(events, layers, parts, self.step, self.world, self.stages.inverse)
         if choose and self.kfac is not None and self.kfac.profile is not None:
-            name = None
-            if self.rank == 0:
-                batch = self.cfg.data.batch_size
-                profile = layer_profile(events, layers, parts, self.world, batch, self.stages.inverse)
-                caps = self.backend
-                name = auto.choose(
-                    profile, self.kfac.profile, self.world, self.cfg, caps.scatters, caps.gathers, caps.reduces
-                )
-            self.variant = self.backend.broadcast_object(name)
-            chosen = auto.preset_config(self.cfg, self.variant)
-            self.stages = resolve(chosen)
-            self.kfac.reconfigure(
-                build.stages(chosen, self.stages, self.kfac.profile), self.kfac.profile.for_method(self.stages.inverse)
-            )
-            self.deferred = build.deferred_gradients(self.stages, self.world)
+            batch, method = self.cfg.data.batch_size, self.stages.inverse
+            traced = layer_profile(events, layers, parts, self.world, batch, method) if self.rank == 0 else None
+            self.variant, self.stages = auto.switch(self.kfac, traced, self.cfg, self.backend, build.stages)
 
     def _evaluate(self, epoch: float) -> None:
         with self.timer.outside(), torch.no_grad():

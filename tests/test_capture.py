@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 from kfacflow import UserError, build
 from kfacflow.comm.torch_dist import TorchBackend
 from kfacflow.config import KFACConfig
-from kfacflow.kfac.preconditioner import KFACPreconditioner
+from kfacflow.kfac.preconditioner import Preconditioner
 
 DT = torch.float64
 
@@ -34,12 +34,12 @@ class Twice(nn.Module):
         return self.head(h)
 
 
-def _pre(backend: TorchBackend, model: nn.Module, **kw: Any) -> KFACPreconditioner:
+def _pre(backend: TorchBackend, model: nn.Module, **kw: Any) -> Preconditioner:
     cfg = KFACConfig(factor_decay=0.0, kl_clip=0.0, damping=0.01, **kw)
     return build.preconditioner(model, cfg, backend)
 
 
-def _step(model: nn.Module, pre: KFACPreconditioner, x: Tensor, y: Tensor) -> None:
+def _step(model: nn.Module, pre: Preconditioner, x: Tensor, y: Tensor) -> None:
     model.zero_grad()
     out = model(x)
     pre.end_forward()

@@ -97,6 +97,13 @@ MISTAKES = [
     pytest.param([QUICK, "kfac.profile={tmp}/nowhere.yaml"], ("kfac.profile", "does not exist"), id="no-profile"),
     pytest.param([QUICK, "kfac.profile_steps=0"], ("kfac.profile_steps", ">= 1"), id="profile-steps-0"),
     pytest.param([QUICK, "kfac.fusion_threshold_mb=0"], ("kfac.fusion_threshold_mb", "> 0"), id="threshold-0"),
+    pytest.param([QUICK, "kfac.options.threshold.mb=0"], ("kfac.options.threshold.mb", "> 0"), id="option-range"),
+    pytest.param(
+        [QUICK, "kfac.options.threshold.bytes=1"], ("kfac.options.threshold", "'bytes'"), id="option-unknown-setting"
+    ),
+    pytest.param(
+        [QUICK, "kfac.options.treshold.mb=1"], ("kfac.options.treshold", "Did you mean 'threshold'"), id="option-stage"
+    ),
     pytest.param([QUICK, "a.b.c=1"], ("'a'",), id="unknown-section-no-match"),
     pytest.param([QUICK, "kfac.damping=abc"], ("kfac.damping", "abc", "Float"), id="type-float"),
     pytest.param([QUICK, "train.epochs=many"], ("train.epochs", "many", "Integer"), id="type-int"),

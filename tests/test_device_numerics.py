@@ -17,7 +17,7 @@ from kfacflow import build
 from kfacflow.comm.torch_dist import TorchBackend
 from kfacflow.config import KFACConfig
 from kfacflow.kfac.inverse import cholesky_factor, cholesky_inverse, invert_all
-from kfacflow.kfac.preconditioner import KFACPreconditioner
+from kfacflow.kfac.preconditioner import Preconditioner
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
@@ -34,7 +34,7 @@ def _data(step: int, dtype: torch.dtype = torch.float32, device: str = "cpu") ->
     return x.to(device, dtype), y.to(device)
 
 
-def _train(model: nn.Module, pre: KFACPreconditioner, steps: range, dtype: torch.dtype, device: str = "cpu") -> None:
+def _train(model: nn.Module, pre: Preconditioner, steps: range, dtype: torch.dtype, device: str = "cpu") -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in steps:
         x, y = _data(step, dtype, device)
@@ -44,7 +44,7 @@ def _train(model: nn.Module, pre: KFACPreconditioner, steps: range, dtype: torch
         opt.zero_grad()
 
 
-def _pre(model: nn.Module, backend: TorchBackend, **kw: Any) -> KFACPreconditioner:
+def _pre(model: nn.Module, backend: TorchBackend, **kw: Any) -> Preconditioner:
     cfg = KFACConfig(**{"damping": 0.01, "kl_clip": 0.0, "inv_update_freq": 2, "factor_decay": 0.9, **kw})
     return build.preconditioner(model, cfg, backend)
 

@@ -128,14 +128,14 @@ def test_nonfinite_factor_never_enters_the_running_average(
     pre = build.preconditioner(model, cfg, TorchBackend(DistConfig(device="cpu")))
     good = torch.eye(4, dtype=torch.float64)
     bad = torch.full((4, 4), float("nan"), dtype=torch.float64)
-    pre._update_factors({"0/A": pack(bad), "0/G": pack(torch.eye(2, dtype=torch.float64))})
+    pre.average({"0/A": pack(bad), "0/G": pack(torch.eye(2, dtype=torch.float64))})
     assert torch.equal(pre.factors["0/A"], torch.zeros(4, 4, dtype=torch.float64))  # reset, not NaN
-    pre._update_factors({"0/A": pack(good), "0/G": pack(torch.eye(2, dtype=torch.float64))})
-    pre._update_factors({"0/A": pack(bad), "0/G": pack(torch.eye(2, dtype=torch.float64))})
+    pre.average({"0/A": pack(good), "0/G": pack(torch.eye(2, dtype=torch.float64))})
+    pre.average({"0/A": pack(bad), "0/G": pack(torch.eye(2, dtype=torch.float64))})
     torch.testing.assert_close(pre.factors["0/A"], 0.5 * good)  # the NaN update was left out
-    pre._copy_finite_flags()  # the end of the step: the flags start for the host, nothing waits
+    pre.finite.copy()  # the end of the step: the flags start for the host, nothing waits
     with caplog.at_level(logging.WARNING):
-        pre._warn_nonfinite()  # reported at the next step, read once
+        pre.finite.warn()  # reported at the next step, read once
     assert "factor 0/A was non-finite at step 0" in caplog.text and "0/G" not in caplog.text
 
 

@@ -7,11 +7,12 @@ import torch
 
 from kfacflow.comm.torch_dist import TorchBackend
 from kfacflow.config import DistConfig
-from kfacflow.kfac.fusion import Communicator, Routing
+from kfacflow.kfac.communicator import Communicator
+from kfacflow.kfac.fusion import Routing, ThresholdOptions
 from kfacflow.kfac.fusion_plan import plan_groups
 from kfacflow.kfac.stages import EVERY_RANK, FusionOptions
 from kfacflow.perf import LinearModel
-from kfacflow.registry import COMMUNICATORS
+from kfacflow.registry import FUSIONS
 
 # alpha = 1 s start-up, beta = 0.1 s per element: an all-reduce of m elements takes 1 + 0.1 m.
 MODEL = LinearModel(alpha=1.0, beta=0.1)
@@ -64,7 +65,7 @@ def test_policies_launch_when_expected(
         monkeypatch.delenv(var, raising=False)
     backend = TorchBackend(DistConfig(device="cpu"))
     # threshold 2 KiB: 3 A factors of 100 float64 (2.4 KiB total) fill one buffer exactly once.
-    comm = Communicator(backend, COMMUNICATORS.get(policy)(FusionOptions(threshold_bytes=2 * 1024)))
+    comm = Communicator(backend, FUSIONS.get(policy)(FusionOptions(own=ThresholdOptions(mb=2 / 1024))))
     for i in range(3):
         comm.push(f"l{i}/A", torch.full((100,), float(i), dtype=torch.float64))
     comm.end_forward()

@@ -18,17 +18,17 @@ from kfacflow import UserError, build
 from kfacflow.comm.torch_dist import TorchBackend
 from kfacflow.config import KFACConfig
 from kfacflow.kfac.packing import unpack
-from kfacflow.kfac.preconditioner import KFACPreconditioner
+from kfacflow.kfac.preconditioner import Preconditioner
 
 DT = torch.float64
 
 
-def _pre(backend: TorchBackend, model: nn.Module, batch_dim: int = 0, **kw: Any) -> KFACPreconditioner:
+def _pre(backend: TorchBackend, model: nn.Module, batch_dim: int = 0, **kw: Any) -> Preconditioner:
     cfg = KFACConfig(**{"factor_decay": 0.0, "kl_clip": 0.0, "damping": 0.01, **kw})
     return build.preconditioner(model, cfg, backend, batch_dim=batch_dim)
 
 
-def _step(model: nn.Module, pre: KFACPreconditioner, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+def _step(model: nn.Module, pre: Preconditioner, x: Tensor, y: Tensor) -> dict[str, Tensor]:
     """One K-FAC step; return the preconditioned gradients."""
     model.zero_grad()
     F.cross_entropy(model(x), y).backward()

@@ -1,4 +1,4 @@
-"""Tests for kfacflow.kfac.inverse, kfacflow.kfac.precondition and KFACPreconditioner (one process)."""
+"""Tests for kfacflow.kfac.inverse, kfacflow.kfac.precondition and Preconditioner (one process)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from kfacflow.config import KFACConfig
 from kfacflow.kfac.inverse import Inverse, cholesky_inverse, eigen_inverse
 from kfacflow.kfac.packing import pack
 from kfacflow.kfac.precondition import KFACPrecondition, kl_clip_scale, precondition
-from kfacflow.kfac.preconditioner import KFACPreconditioner
+from kfacflow.kfac.preconditioner import Preconditioner
 from kfacflow.registry import INVERSES
 
 DT = torch.float64
@@ -218,7 +218,7 @@ def hand_factors(x: Tensor, go: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def one_step(
-    model: nn.Sequential, pre: KFACPreconditioner, spy: Spy, seed: int, lr: float = 0.1
+    model: nn.Sequential, pre: Preconditioner, spy: Spy, seed: int, lr: float = 0.1
 ) -> tuple[dict[int, Tensor], dict[int, tuple[Tensor, Tensor]]]:
     """Forward, backward, pre.step; return raw grad matrices and hand factors per Linear index."""
     x, y = batch(seed)
@@ -240,7 +240,7 @@ def damped_inv(f: Tensor, damping: float) -> Tensor:
     return torch.linalg.inv(f + damping * torch.eye(f.shape[0], dtype=DT))
 
 
-def new_pre(backend: TorchBackend, **kw: Any) -> tuple[nn.Sequential, KFACPreconditioner, Spy]:
+def new_pre(backend: TorchBackend, **kw: Any) -> tuple[nn.Sequential, Preconditioner, Spy]:
     cfg = KFACConfig(**kw)
     model = make_model()
     pre = build.preconditioner(model, cfg, backend)

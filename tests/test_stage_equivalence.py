@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -13,17 +12,16 @@ import torch.nn.functional as F
 from helpers import run_in_gloo
 from torch import nn
 
-from kfacflow import build
-from kfacflow.comm.base import GradientAllreduce
+from kfacflow import build, registry
 from kfacflow.comm.torch_dist import TorchBackend
 from kfacflow.config import DistConfig, KFACConfig
 from kfacflow.kfac.inverse import Inverse
 from kfacflow.kfac.placement import EVERY_RANK
 from kfacflow.kfac.variants import resolve
 from kfacflow.perf import InverseModel, LinearModel, Profile
-from kfacflow.registry import COMMUNICATORS, GRAD_SYNCS, INVERSES, PLACEMENTS
+from kfacflow.registry import GRAD_SYNCS, INVERSES, PLACEMENTS
 
-FUSIONS = COMMUNICATORS.names()
+FUSIONS = registry.FUSIONS.names()
 PLACES = PLACEMENTS.names()
 INVS = INVERSES.names()
 STEPS = 10
@@ -93,12 +91,12 @@ def train(backend: TorchBackend, combo: tuple[str, ...], profile: Profile | None
     pre = build.preconditioner(model, cfg, backend, profile)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for x, y in batches(backend.world_size, backend.rank):
-        deferred = GRAD_SYNCS.get(grad_sync).deferred
-        with backend.no_sync(net) if deferred else nullcontext():
+        sync = GRAD_SYNCS.get(grad_sync)
+        with sync.backward(backend, net, last=True):
             out = net(x)
             pre.end_forward()
             F.cross_entropy(out, y).backward()
-        pre.step(lr=0.1, gradients=GradientAllreduce(backend, list(model.parameters())) if deferred else None)
+        pre.step(lr=0.1, gradients=sync.gradients(backend, list(model.parameters())))
         opt.step()
         opt.zero_grad()
     pre.remove()

@@ -338,3 +338,85 @@ def test_simulate_prints_ratios_and_markdown(tmp_path: Path, capsys: pytest.Capt
     assert mean == simulation.scale_compute(_hand_layers(), 1.5)
     with pytest.raises(SystemExit, match="broadcast.gamma"):
         simulate.main([str(layers), str(prof), "--set", "broadcast.gamma=1"])
+
+
+def test_bench_intervals_measure_whole_inverse_periods_by_their_mean() -> None:
+    import bench
+
+    # Warm-up and steps rounded up to whole periods of 10, the window starting on an inversion step.
+    assert bench.intervals("1/10", 8, 4) == (["kfac.factor_update_freq=1", "kfac.inv_update_freq=10"], 20, 10)
+    assert bench.intervals("10/100", 150, 4)[1:] == (200, 100)
+    assert bench.intervals(None, 8, 4) == ([], 8, 4)
+    for bad in ("10", "3/10", "0/10", "a/b"):
+        with pytest.raises(SystemExit, match="--intervals"):
+            bench.intervals(bad, 8, 4)
+    # One inversion step of 10 s and nine of 1 s: the median says 1 s, the period's mean 1.9 s.
+    steps = [{"total": 10.0 if i % 10 == 0 else 1.0} for i in range(20)]
+    run = {"run_dir": "r", "steps": steps, "sum_s": 38.0, "wall_s": 40.0}
+    assert bench.summarize([run], None, 20)["step_s"] == 1.0
+    summary = bench.summarize([run], None, 20, mean=True)
+    assert summary["step_s"] == pytest.approx(1.9) and summary["median_step_s"] == 1.0
+
+
+def test_simulated_inverse_period_matches_hand_computation() -> None:
+    from kfacflow.config import KFACConfig
+    from kfacflow.perf import InverseModel, LinearModel, Profile
+
+    prof = Profile(LinearModel(0.1, 0.01), LinearModel(0.05, 0.01), InverseModel("cubic", 0.0, 0.01), {"world_size": 2})
+    layers, d = _hand_layers(), _stages("after_backward", "local")
+    full = simulation.simulate(layers, prof, 2, d)
+    assert full["total"] == pytest.approx(14.05)  # the every-step test's, worked out there
+    # A step that updates factors but does not invert: the same without the 7 s of inverses.
+    factors_only = simulation.simulate(layers, prof, 2, d, inverting=False)
+    assert factors_only["total"] == pytest.approx(7.05) and factors_only["InverseComp"] == 0
+    # Neither: no hooks' work (forward 0..2 s, backward 2..4 s), the 30 gradient elements (0.4 s), the rest.
+    plain = simulation.simulate(layers, prof, 2, d, factors=False, inverting=False)
+    assert plain == pytest.approx(
+        {"FF&BP": 4.0, "GradComm": 0.4, "FactorComp": 0.0, "FactorComm": 0.0, "InverseComp": 0.0}
+        | {"InverseComm": 0.0, "Other": 0.3, "total": 4.7}
+    )
+    assert simulation.period(layers, prof, 2, d) == full  # 1/1: every step
+    assert simulation.period(layers, prof, 2, d, kfac=KFACConfig(inv_update_freq=2))["total"] == pytest.approx(10.55)
+    # Factors every 2 steps, inverses every 4: one full step, one of factors only, two plain ones.
+    every = KFACConfig(factor_update_freq=2, inv_update_freq=4)
+    assert simulation.period(layers, prof, 2, d, kfac=every)["total"] == pytest.approx((14.05 + 7.05 + 2 * 4.7) / 4)
+    # Without inverting nothing is broadcast; the owners' updates still travel every step.
+    mpd = simulation.simulate(layers, prof, 2, _stages("after_backward", "round_robin"), inverting=False)
+    assert mpd["InverseComm"] == 0 and mpd["total"] == pytest.approx(7.05)
+    update = simulation.simulate(
+        layers, prof, 2, _stages("after_backward", "layer", broadcast="update"), inverting=False
+    )
+    assert update["InverseComp"] == 0 and update["InverseComm"] > 0
+    assert simulation.lower_bound(layers, prof, 2, intervals=(1, 2)) == pytest.approx(4.0 + 2.0 + 3.5 / 2 + 0.3)
+
+
+def test_auto_compares_the_presets_over_the_recipes_inverse_period(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from omegaconf import OmegaConf
+
+    from kfacflow import auto
+    from kfacflow.config import RunConfig
+    from kfacflow.kfac.variants import PRESETS, resolve
+    from kfacflow.perf import Profile
+
+    runs = sorted((ROOT / "docs" / "results" / "resnet18_2x1gbit").glob("layers_d_*.json"))
+    layers = simulation.average([json.loads(p.read_text()) for p in runs])
+    profile = Profile.load(str(ROOT / "docs" / "results" / "resnet18_2x1gbit" / "profile.yaml"))
+    for every in ((1, 1), (1, 10), (10, 100)):
+        cfg = OmegaConf.structured(RunConfig)
+        cfg.kfac.factor_update_freq, cfg.kfac.inv_update_freq = every
+        with caplog.at_level(logging.INFO, logger="kfacflow.auto"):
+            chosen = auto.choose(layers, profile, 2, cfg)
+        means = {
+            name: simulation.period(layers, profile, 2, resolve(auto.preset_config(cfg, name)), True, cfg.kfac)["total"]
+            for name in PRESETS
+        }
+        assert chosen == min(means, key=lambda name: (means[name], PRESETS.index(name)))
+        assert "mean over an inverse period" in caplog.text
+    # The period's mean is not an every-step step: at 10/100 the presets are far closer together.
+    cfg = OmegaConf.structured(RunConfig)
+    d_every = simulation.period(layers, profile, 2, resolve(auto.preset_config(cfg, "d")), True, cfg.kfac)["total"]
+    cfg.kfac.factor_update_freq, cfg.kfac.inv_update_freq = 10, 100
+    d_rare = simulation.period(layers, profile, 2, resolve(auto.preset_config(cfg, "d")), True, cfg.kfac)["total"]
+    assert d_rare < d_every / 3

@@ -5,9 +5,14 @@
     python tools/bench.py recipes/resnet50_spd.yaml --ablation table4 --cluster    # +-pipelining, +-LBP (Fig. 13)
     python tools/bench.py recipes/resnet50_spd.yaml --ablation fig10 --cluster     # fusion policies (Fig. 10)
     python tools/bench.py recipes/resnet18_synthetic.yaml --ablation flow --cluster  # SPD to flow, one option at a time
+    python tools/bench.py recipes/resnet18_synthetic.yaml --intervals 1/10 --cluster   # inverses every 10 steps
 
 Each configuration runs ``--steps`` steps; the first ``--warmup`` (which must cover the optimal
-fusion's profiling) are discarded and the median of the rest is the step time. An outside clock
+fusion's profiling) are discarded and the median of the rest is the step time. With
+``--intervals F/I`` (factors every F steps, inverses every I: ``kfac.factor_update_freq`` and
+``kfac.inv_update_freq``) the window is whole inverse periods, each from an inversion step on
+(warm-up and steps are rounded up to multiples of I), and the step time is their **mean**: a
+median would hide the inversion steps. An outside clock
 checks it: every configuration also runs once with twice the steps, and the difference of the two
 runs' wall times (start-up, calibration and warm-up cancel) over the extra steps ("outside") is
 printed beside the same difference of the runs' step times ("inside"), with the gap: time the step
@@ -82,6 +87,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=4, help="steps discarded (>= kfac.profile_steps + 2)")
+    p.add_argument(
+        "--intervals",
+        default=None,
+        metavar="F/I",
+        help="factors every F steps, inverses every I, on every run; the mean over whole inverse periods",
+    )
     p.add_argument("--nproc", type=int, default=2, help="workers (per node with --cluster)")
     p.add_argument("--backend", choices=["torch", "horovod"], default="torch", help="dist.backend of every run")
     p.add_argument("--cluster", action="store_true", help="run on the emulated cluster (tools/cluster.py; root)")
@@ -136,10 +147,39 @@ def collect(run_root: Path, warmup: int) -> dict[str, Any]:
     return {"run_dir": str(run_dir), "steps": kept, "sum_s": sum(s["total"] for s in steps)}
 
 
-def summarize(runs: list[dict[str, Any]], long: dict[str, Any] | None, extra_steps: int) -> dict[str, Any]:
+def intervals(text: str | None, steps: int, warmup: int) -> tuple[list[str], int, int]:
+    """``F/I`` as recipe overrides, and ``steps`` and ``warmup`` rounded up to whole inverse periods.
+
+    Steps are counted from 0 and inverses updated where ``step % I == 0``, so a warm-up of a multiple
+    of I starts the window on an inversion step, and a window of a multiple of I holds whole periods.
+
+    Raises:
+        SystemExit: ``text`` is not two integers >= 1, or I is no multiple of F.
+    """
+    if text is None:
+        return [], steps, warmup
+    try:
+        factor, inverse = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise SystemExit(f"error: --intervals {text!r}: give F/I, e.g. 1/10 or 10/100") from None
+    if factor < 1 or inverse < 1 or inverse % factor:
+        raise SystemExit(f"error: --intervals {text}: both >= 1, and I a multiple of F")
+    warmup = -(-warmup // inverse) * inverse
+    window = max(inverse, -(-(steps - warmup) // inverse) * inverse)
+    overrides = [f"kfac.factor_update_freq={factor}", f"kfac.inv_update_freq={inverse}"]
+    return overrides, warmup + window, warmup
+
+
+def summarize(
+    runs: list[dict[str, Any]], long: dict[str, Any] | None, extra_steps: int, mean: bool = False
+) -> dict[str, Any]:
+    """The step time of a configuration's runs: the median, or with ``mean`` the mean (whole inverse periods)."""
     steps = [s for r in runs for s in r["steps"]]
+    median = statistics.median(s["total"] for s in steps)
     out = {
-        "median_step_s": statistics.median(s["total"] for s in steps),
+        "median_step_s": median,
+        "mean_step_s": statistics.mean(s["total"] for s in steps),
+        "step_s": statistics.mean(s["total"] for s in steps) if mean else median,
         "breakdown_s": {c: statistics.mean(s.get(c, 0.0) for s in steps) for c in CATEGORIES},
         "steps_measured": len(steps),
         "runs": [r["run_dir"] for r in runs],
@@ -169,7 +209,7 @@ def table(results: dict[str, dict[str, Any]], ablation: str) -> str:
         if r.get("outside_step_s") is not None:
             inside, outside = f"{r['inside_step_s']:.3f}", f"{r['outside_step_s']:.3f}"
             gap = f"{100 * (r['outside_step_s'] / r['inside_step_s'] - 1):+.1f}%"
-        lines.append(f"{name:<12} {r['median_step_s']:>8.3f} {inside:>8} {outside:>8} {gap:>6} {parts}")
+        lines.append(f"{name:<12} {r['step_s']:>8.3f} {inside:>8} {outside:>8} {gap:>6} {parts}")
     lines.append(
         "(inside and outside: the extra time per extra step of a run twice as long, by the step timer and by the wall)"
     )
@@ -179,8 +219,12 @@ def table(results: dict[str, dict[str, Any]], ablation: str) -> str:
     pairs += [(names[-1], ref) for ref in base if ref and ablation != "variants"]
     for best, ref in pairs:
         if ref in results and best in results and ref != best:
-            ratio = results[best]["median_step_s"] / results[ref]["median_step_s"]
+            ratio = results[best]["step_s"] / results[ref]["step_s"]
             lines.append(f"{best} / {ref}: {ratio:.3f} of the time (speedup {1 / ratio:.2f}x)")
+    if "sgd" in results:  # what a K-FAC step costs over the first-order optimizer's
+        for name in names:
+            if name != "sgd":
+                lines.append(f"{name} / sgd: {results[name]['step_s'] / results['sgd']['step_s']:.2f}x the step")
     return "\n".join(lines)
 
 
@@ -211,6 +255,7 @@ def _terminate(signum: int, frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    every, args.steps, args.warmup = intervals(args.intervals, args.steps, args.warmup)
     signal.signal(signal.SIGTERM, _terminate)
     if args.cluster and args.backend == "horovod":
         print("error: --backend horovod runs locally only (horovodrun reaches other nodes over ssh)", file=sys.stderr)
@@ -220,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         configs = {k: v for k, v in configs.items() if k in args.only.split(",")}
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    common = [f"train.timing_warmup={args.warmup}", "train.checkpoint_every=0"]
+    common = [f"train.timing_warmup={args.warmup}", "train.checkpoint_every=0", *every]
     cluster = None
     if args.cluster:
         sys.path.insert(0, str(ROOT / "tools"))
@@ -252,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if cluster is not None:
             cluster.__exit__(None, None, None)
-    results = {name: summarize(r, longs.get(name), args.steps) for name, r in runs.items()}
+    mean = args.intervals is not None
+    results = {name: summarize(r, longs.get(name), args.steps, mean) for name, r in runs.items()}
     where = f"{args.nodes} nodes x {args.nproc} at {args.rate}" if args.cluster else f"{args.nproc} local workers"
     where += f", {args.backend}"
     meta = {
@@ -263,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup,
         "reps": args.reps,
         "ablation": args.ablation,
+        "intervals": args.intervals,
+        "step_s": "mean over whole inverse periods" if mean else "median",
     }
     (out / "bench.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     text = table(results, args.ablation)

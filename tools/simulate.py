@@ -24,7 +24,9 @@ inverses arrive (``kfac.pipeline``), whole or packed inverses or the owners' upd
 (``kfac.broadcast``), gradients behind the factors (``kfac.grad_sync=deferred``) or on their
 owners alone (``owner``), factors to their owners (``kfac.factor_sync=owner``), several owners at
 once from three ranks on where that pays. Each inverse method has its own model where the
-profile measured one (``methods``). The lower bound hides all communication and shares perfectly
+profile measured one (``methods``). ``--intervals F/I`` simulates the recipe's update intervals:
+the mean step over one inverse period (one inverting step, I/F - 1 steps that only update factors,
+the rest neither), what ``kfac.variant=auto`` compares. The lower bound hides all communication and shares perfectly
 balanced inverses for free; preconditioning, which every rank does for every layer, stays in it.
 """
 
@@ -36,11 +38,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kfacflow import UserError, build, registry  # noqa: E402
 from kfacflow.config import KFACConfig  # noqa: E402
+from kfacflow.kfac import options  # noqa: E402
 from kfacflow.kfac.plan import EngineCaps  # noqa: E402
+from kfacflow.kfac.strategies import OWNERS_PRECONDITION  # noqa: E402
 from kfacflow.kfac.variants import Stages, resolve  # noqa: E402
 from kfacflow.perf import InverseModel, Profile  # noqa: E402
 
@@ -50,7 +56,7 @@ ENGINES = {
     "horovod": EngineCaps(reduces=False, scatters=False, gathers=False),
 }
 """``--engine``: the capabilities of the engines kfacflow runs on (:attr:`~kfacflow.comm.base.Backend.reduces` ...)."""
-from kfacflow.simulation import PARTS, average, lower_bound, scale_compute, simulate  # noqa: E402
+from kfacflow.simulation import PARTS, average, lower_bound, period, scale_compute  # noqa: E402
 
 THRESHOLD_MB = KFACConfig().fusion_threshold_mb
 
@@ -92,6 +98,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write the results to this file")
     p.add_argument("--fusion-threshold-mb", type=float, default=THRESHOLD_MB, help="the threshold fusion's buffer")
     p.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="NAME.SETTING=VALUE",
+        help="a stage's own setting, as kfac.options.NAME.SETTING in a recipe (repeatable)",
+    )
+    p.add_argument(
+        "--intervals",
+        default="1/1",
+        metavar="F/I",
+        help="factors every F steps, inverses every I: the mean step over one inverse period (default 1/1: every step)",
+    )
+    p.add_argument(
         "--engine",
         choices=sorted(ENGINES),
         default="nccl",
@@ -104,6 +123,18 @@ def main(argv: list[str] | None = None) -> int:
         chosen = {v: stages_of(v) for v in args.variants.split(",")}
     except UserError as e:
         raise SystemExit(f"error: --variants: {e}") from None
+    try:
+        kfac = KFACConfig(fusion_threshold_mb=args.fusion_threshold_mb, options=stage_options(args.option))
+        options.check(kfac)
+    except UserError as e:
+        raise SystemExit(f"error: --option: {e}") from None
+    try:
+        kfac.factor_update_freq, kfac.inv_update_freq = (int(v) for v in args.intervals.split("/"))
+    except ValueError:
+        raise SystemExit(f"error: --intervals {args.intervals!r}: give F/I, e.g. 1/10 or 10/100") from None
+    if min(kfac.factor_update_freq, kfac.inv_update_freq) < 1 or kfac.inv_update_freq % kfac.factor_update_freq:
+        raise SystemExit(f"error: --intervals {args.intervals}: both >= 1, and I a multiple of F")
+    every = (kfac.factor_update_freq, kfac.inv_update_freq)
     try:
         layers = scale_compute(average([json.loads(Path(f).read_text()) for f in args.layers]), args.compute_scale)
     except ValueError as e:
@@ -131,13 +162,13 @@ def main(argv: list[str] | None = None) -> int:
         for v, stages in chosen.items():
             caps = ENGINES[args.engine]
             measured = args.inverse == "measured"
-            parts = simulate(
+            parts = period(
                 layers,
                 profile,
                 workers,
                 stages,
                 measured,
-                args.fusion_threshold_mb,
+                kfac,
                 caps.scatters,
                 caps.gathers,
                 caps.reduces,
@@ -148,9 +179,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{workers:>4} {v:<22} {parts['total']:>8.3f} {cols}")
         # The bound of each kind of work: the inverse method (flow's Cholesky factors are cheaper to
         # compute), and whether the preconditioning is shared out (kfac.broadcast=update).
-        work = {v: (stages.inverse, registry.BROADCASTS.get(stages.broadcast).update) for v, stages in chosen.items()}
+        work = {v: (stages.inverse, _shares(stages)) for v, stages in chosen.items()}
         bounds = {
-            kind: lower_bound(layers, profile, workers, args.inverse == "measured", kind[0], kind[1])
+            kind: lower_bound(layers, profile, workers, args.inverse == "measured", kind[0], kind[1], intervals=every)
             for kind in dict.fromkeys(work.values())
         }
         for (method, shared), bound in bounds.items():
@@ -209,6 +240,27 @@ def override(profile: Profile, change: str) -> None:
         setattr(model, param, float(value))
     except ValueError:
         raise SystemExit(f"error: --set {change!r}: {value!r} is not a number") from None
+
+
+def stage_options(given: list[str]) -> dict[str, dict[str, Any]]:
+    """``NAME.SETTING=VALUE`` items as ``kfac.options`` (values read as YAML: numbers, booleans, strings).
+
+    Raises:
+        UserError: An item not of that form.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for item in given:
+        key, sep, value = item.partition("=")
+        name, dot, setting = key.partition(".")
+        if not (sep and dot and name and setting):
+            raise UserError(f"{item!r} is not NAME.SETTING=VALUE (e.g. threshold.mb=32).")
+        out.setdefault(name, {})[setting] = yaml.safe_load(value)
+    return out
+
+
+def _shares(stages: Stages) -> bool:
+    """Whether the stages share the preconditioning out (owners precondition their layers alone)."""
+    return OWNERS_PRECONDITION in registry.BROADCASTS.get(stages.broadcast).gives
 
 
 def stages_of(variant: str) -> Stages:

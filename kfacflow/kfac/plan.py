@@ -10,20 +10,18 @@ never per step.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kfacflow import registry
 from kfacflow.comm import scatter
-from kfacflow.kfac.placement import by_layer, gathers, layer_order, schedule, update_buckets
-from kfacflow.kfac.stages import EVERY_RANK, Inverse, StageSet
+from kfacflow.kfac.stages import EVERY_RANK, Inverse, Placement
+from kfacflow.kfac.update_plan import by_layer, gathers, layer_order, update_buckets
 from kfacflow.perf import Profile
 
 if TYPE_CHECKING:
-    from kfacflow.kfac.variants import Stages
-
-Placement = Callable[[Sequence[int], Sequence[int], int, Profile | None], list[int]]
+    from kfacflow.kfac.stages import Variant as Stages
 
 
 @dataclass(frozen=True)
@@ -74,34 +72,17 @@ class Choice:
     on_arrival: bool = False
 
     @classmethod
-    def of(cls, stages: StageSet) -> Choice:
-        """What the built stages of a preconditioner decide."""
-        exchange = stages.broadcast
-        return cls(
-            stages.placement,
-            stages.invert.result,
-            exchange.update,
-            exchange.full,
-            exchange.fused,
-            stages.factor_sync.to_owner,
-            stages.grad_sync.to_owner,
-            stages.pipeline.invert_on_arrival,
-        )
-
-    @classmethod
     def named(cls, names: Stages) -> Choice:
         """What the stages a recipe names decide (the simulator's view: nothing is built)."""
-        exchange = registry.BROADCASTS.get(names.broadcast)
-        return cls(
-            registry.PLACEMENTS.get(names.placement),  # type: ignore[arg-type]
-            registry.INVERSES.get(names.inverse).result,
-            exchange.update,
-            exchange.full,
-            exchange.fused,
-            registry.FACTOR_SYNCS.get(names.factor_sync).to_owner,
-            registry.GRAD_SYNCS.get(names.grad_sync).to_owner,
-            registry.PIPELINES.get(names.pipeline).invert_on_arrival,
-        )
+        choice = cls(registry.PLACEMENTS.get(names.placement), registry.INVERSES.get(names.inverse).result)
+        for strategy in (
+            registry.PIPELINES.get(names.pipeline),
+            registry.BROADCASTS.get(names.broadcast),
+            registry.FACTOR_SYNCS.get(names.factor_sync),
+            registry.GRAD_SYNCS.get(names.grad_sync),
+        ):
+            choice = strategy.shape(choice)
+        return choice
 
 
 @dataclass(frozen=True)
@@ -132,6 +113,8 @@ class StepPlan:
     gathered: tuple[int, ...] = ()
     factor_owners: tuple[int, ...] | None = None
     grad_owners: tuple[int, ...] | None = None
+    provisional: bool = False
+    """Made before the layers in use were known, with routes to owners to follow from them: make it again then."""
 
 
 def make_plan(
@@ -181,12 +164,13 @@ def make_plan(
         dims=tuple(dims),
         owners=tuple(owners),
         sizes=tuple(sizes),
-        order=tuple(schedule(dims, owners, world, profile, times)),
+        order=tuple(choice.placement.order(dims, owners, world, profile, times)),
         layer_order=tuple(order),
         buckets=tuple(buckets),
         gathered=tuple(gathered),
         factor_owners=tuple(owners) if routed else None,
         grad_owners=_grad_owners(layers, owners, choice, world, profile, caps) if settled else None,
+        provisional=not settled and (choice.factor_to_owner or choice.grad_to_owner),
     )
 
 

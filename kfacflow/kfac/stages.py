@@ -154,8 +154,8 @@ class FactorStage(Protocol):
 class FusionOptions:
     """What fusion policies may be told; each takes what it needs."""
 
-    threshold_bytes: int = 64 * 2**20
-    """Fusion buffer of the ``threshold`` policy (Horovod's default, 64 MiB)."""
+    own: object = None
+    """The policy's own options (:mod:`kfacflow.kfac.options`; ``None``: its defaults)."""
     profile_steps: int = 5
     """Factor-update steps a measuring policy (``optimal``) times before it plans."""
     allreduce: LinearModel | None = None
@@ -199,12 +199,31 @@ FusionFactory = Callable[[FusionOptions], FusionPolicy]
 
 
 class Placement(Protocol):
-    """Stage *invert*, who: the owner of every factor (a rank, or :data:`EVERY_RANK`)."""
+    """Stage *invert*, who and in which order: the owner of every factor (a rank, or :data:`EVERY_RANK`).
+
+    The registered ones (:mod:`kfacflow.kfac.placement`) share one inversion order; a placement
+    may bring its own.
+    """
 
     def __call__(
         self, dims: Sequence[int], sizes: Sequence[int], world_size: int, profile: Profile | None
     ) -> list[int]:
         """Return the owner of each factor, given their sides and broadcast sizes."""
+        ...
+
+    def order(
+        self,
+        dims: Sequence[int],
+        owners: Sequence[int],
+        world_size: int,
+        profile: Profile | None,
+        ready: Sequence[float] | None,
+    ) -> list[int]:
+        """Return the order every rank walks the factors in when inverting (the same on all ranks).
+
+        ``ready``: when each factor is expected to arrive, for a pipeline that inverts as they do.
+        Broadcasts are posted in this order and run in it (collectives run in the order posted).
+        """
         ...
 
 
@@ -250,7 +269,10 @@ PreconditionFactory = Callable[[float], PreconditionStage]
 
 @dataclass(frozen=True)
 class Variant:
-    """A preset of stage choices (``kfac.variant``); ``preconditioned=False`` means no K-FAC at all."""
+    """Stage names: a preset's (``kfac.variant``), or those in force once a recipe's choices override it.
+
+    ``preconditioned=False`` means no K-FAC at all. :data:`kfacflow.kfac.variants.Stages` is this class.
+    """
 
     fusion: str = "after_backward"
     placement: str = "local"
@@ -263,88 +285,6 @@ class Variant:
     choose: bool = False
     """Start with these stages, then simulate every preset on a traced step and keep the fastest."""
 
-
-@dataclass(frozen=True)
-class Pipeline:
-    """When a step's inversions and preconditioning start (``kfac.pipeline``).
-
-    The paper's order is a barrier after each phase: every factor arrives, then every inverse
-    is computed and broadcast, then every layer is preconditioned. On arrival, a factor is
-    averaged into its running average and inverted as soon as its own all-reduce completes (in
-    the placement's order), and a layer is preconditioned as soon as both its inverses are here.
-    """
-
-    invert_on_arrival: bool
-    precondition_on_arrival: bool
-
-
-@dataclass(frozen=True)
-class Broadcast:
-    """What travels for a broadcast inverse, and how its owner holds it (``kfac.broadcast``).
-
-    Every rank must hold the same bits. ``packed``: the packed upper triangle, and every rank,
-    the owner too, unpacks the broadcast copy. ``owner_keeps``: the same, but the owner keeps
-    its own inverse when unpacking would give it back bit for bit (a dense inverse that is
-    exactly symmetric). ``full``: the whole matrix, twice the bytes, sent from the owner's own
-    memory and used by the others where it lands: no packing, no unpacking. ``update``: no
-    inverse travels; a layer's owner inverts both of its factors, preconditions the layer and
-    broadcasts the update (the layer's size, far less than its inverses), so that the
-    preconditioning is shared out too and every rank applies the owner's bits. ``fused``
-    (with ``update``): the updates travel in buckets of the shared layer order, each one
-    all-reduce of a zero-filled buffer into which the owners wrote their disjoint pieces
-    (``x + 0 = x`` exactly, so every rank still receives the owner's bits), one start-up per
-    bucket instead of one per layer.
-    """
-
-    owner_keeps: bool
-    full: bool = False
-    update: bool = False
-    fused: bool = False
-
-
-@dataclass(frozen=True)
-class GradSync:
-    """When gradients are averaged over ranks (``kfac.grad_sync``).
-
-    ``overlap``: during the backward pass (DDP's buckets, Horovod's hooks), before K-FAC starts.
-    ``deferred``: after the backward pass, on the K-FAC process group behind the factor
-    all-reduces, so that the link carries what gates the next phase first; the step waits for
-    the gradients only to precondition. ``to_owner`` (deferred, with ``kfac.broadcast=update``,
-    where only a layer's owner preconditions it): the gradients of owned layers are reduced to
-    their owners alone, in one reduce-scatter and all-to-all, where the models say that costs
-    less than their all-reduce (from three ranks on); the owners send the KL clipping's ``v.g``
-    with the updates. The rest (layers every rank preconditions, parameters K-FAC leaves alone)
-    is all-reduced.
-    """
-
-    deferred: bool
-    to_owner: bool = False
-
-
-@dataclass(frozen=True)
-class FactorSync:
-    """Where a step's factors are summed (``kfac.factor_sync``).
-
-    ``allreduce``: on every rank, as the paper does (every rank may invert anything). ``owner``
-    (with ``kfac.broadcast=update``, where no rank but a layer's owner ever reads its factors):
-    each factor is reduced to its owner alone and only the owner keeps its running average, so
-    at P = 2 the two directions of the link carry the two owners' factors at once (half the
-    bytes each way of an all-reduce); factors every rank inverts (NCTs) are still all-reduced.
-    """
-
-    to_owner: bool
-
-
-@dataclass
-class StageSet:
-    """The built stages one preconditioner runs."""
-
-    factor: FactorStage
-    fusion: FusionPolicy
-    placement: Placement
-    invert: InverseMethod
-    precondition: PreconditionStage
-    pipeline: Pipeline = Pipeline(invert_on_arrival=False, precondition_on_arrival=False)
-    broadcast: Broadcast = Broadcast(owner_keeps=False)
-    factor_sync: FactorSync = FactorSync(to_owner=False)
-    grad_sync: GradSync = GradSync(deferred=False)
+    def strategies(self) -> dict[str, str]:
+        """The strategy names by kind (:data:`~kfacflow.kfac.strategies.KINDS`)."""
+        return {kind: getattr(self, kind) for kind in ("pipeline", "broadcast", "grad_sync", "factor_sync")}

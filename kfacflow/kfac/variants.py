@@ -2,53 +2,40 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from kfacflow.config import KFACConfig
-from kfacflow.kfac import overlap  # noqa: F401  (registers the broadcasts resolve looks up)
+from kfacflow.kfac import factor_sync, grad_sync, inverse_broadcast, pipeline, update_broadcast  # noqa: F401
 from kfacflow.kfac.stages import Variant
-from kfacflow.registry import BROADCASTS, GRAD_SYNCS, VARIANTS
+from kfacflow.kfac.strategies import KINDS, settle
+from kfacflow.registry import VARIANTS
 
 __all__ = ["PRESETS", "Stages", "Variant", "resolve"]
 
 
-@dataclass(frozen=True)
-class Stages:
-    """The stage names in force after the recipe's explicit choices override the variant's."""
-
-    fusion: str
-    placement: str
-    inverse: str
-    preconditioned: bool
-    pipeline: str = "barrier"
-    broadcast: str = "packed"
-    grad_sync: str = "overlap"
-    factor_sync: str = "allreduce"
-    choose: bool = False
+Stages = Variant
+"""The stage names in force once the recipe's explicit choices override the variant's (:func:`resolve`)."""
 
 
 def resolve(cfg: KFACConfig) -> Stages:
     """Return the stages of ``cfg.variant`` with any explicit ``kfac.<stage>`` choice winning.
 
-    A preset's ``factor_sync=owner`` gives way to ``allreduce``, and its ``grad_sync=owner`` to
-    ``deferred``, where the recipe chose a broadcast of inverses (every rank then needs every factor
-    and every gradient); asked for by name, they are checked instead.
+    A preset's strategy whose need the recipe's own choices leave unmet gives way to its
+    fallback (:func:`~kfacflow.kfac.strategies.settle`): e.g. ``factor_sync=owner`` to
+    ``allreduce`` and ``grad_sync=owner`` to ``deferred`` where the recipe chose a broadcast of
+    inverses (every rank then needs every factor and every gradient); asked for by name, they are
+    checked instead (:func:`kfacflow.build.check_stages`).
     """
     v = VARIANTS.get(cfg.variant)
-    broadcast = cfg.broadcast or v.broadcast
-    update = BROADCASTS.get(broadcast).update
-    factor_sync = cfg.factor_sync or (v.factor_sync if update else "allreduce")
-    grad_sync = cfg.grad_sync or (v.grad_sync if update or not GRAD_SYNCS.get(v.grad_sync).to_owner else "deferred")
+    named = {kind for kind in KINDS if getattr(cfg, kind)}
+    chosen = settle({kind: getattr(cfg, kind) or getattr(v, kind) for kind in KINDS}, named)
+    if not v.preconditioned:
+        chosen["grad_sync"] = "overlap"
     return Stages(
         fusion=cfg.fusion or v.fusion,
         placement=cfg.placement or v.placement,
         inverse=cfg.inverse or v.inverse,
         preconditioned=v.preconditioned,
-        pipeline=cfg.pipeline or v.pipeline,
-        broadcast=broadcast,
-        grad_sync=grad_sync if v.preconditioned else "overlap",
-        factor_sync=factor_sync,
         choose=v.choose,
+        **chosen,
     )
 
 

@@ -5,6 +5,8 @@
   after a reshape); the model's input does: its first tensor, along ``batch_dim``.
 - **Trained layers.** Freezing a layer (fine-tuning, progressive freezing) changes what K-FAC
   preconditions; :func:`trained` is what the plan was made for, compared at each forward pass.
+- **The forward pass.** :class:`ForwardHooks` hands the examples and the loss scale to the
+  factor hooks, and tells the preconditioner when a pass starts and ends.
 - **One preconditioner per layer.** A second one on the same modules would precondition the
   gradients twice, silently; :class:`Claims` refuses it.
 """
@@ -12,13 +14,17 @@
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
 from kfacflow import UserError
+from kfacflow.kfac.inverse import warn_once
 from kfacflow.kfac.layers import KFACLayer, bias_preconditioned
+
+if TYPE_CHECKING:
+    from kfacflow.kfac.capture import Capture
 
 
 def examples(args: tuple[Any, ...], kwargs: dict[str, Any], batch_dim: int) -> int | None:
@@ -64,3 +70,58 @@ class Claims:
         """Give the modules up (all of them by default), e.g. when their layers leave K-FAC."""
         for module in self.modules if modules is None else modules:
             self._owners.pop(module, None)
+
+
+class Watcher(Protocol):
+    """What :class:`ForwardHooks` reports to (the preconditioner)."""
+
+    capture: Capture
+    batch_dim: int
+    grad_scaler: Any
+
+    def follow_layers(self) -> None:
+        """Plan again if the trained layers changed since the plan (:func:`trained`)."""
+
+    def end_forward(self) -> None:
+        """A forward pass is over."""
+
+
+class ForwardHooks:
+    """The model's own hooks: at each training forward pass, what the factor hooks need and whether layers changed.
+
+    Before the pass: the batch's examples (:func:`examples`) for the factor hooks, and
+    ``follow_layers``. After it: the loss scale of the ``grad_scaler`` (a ``torch.amp.GradScaler``,
+    or ``None``) for the G hooks, then ``end_forward``.
+    """
+
+    def __init__(self, model: nn.Module, watcher: Watcher, device: torch.device) -> None:
+        self.watcher, self.device = watcher, device
+        self.handles = [
+            model.register_forward_pre_hook(self._start, with_kwargs=True),
+            model.register_forward_hook(lambda module, inputs, output: self._end(module)),
+        ]
+
+    def _start(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not (model.training and torch.is_grad_enabled()):
+            return
+        self.watcher.capture.examples = examples(args, kwargs, self.watcher.batch_dim)
+        if self.watcher.grad_scaler is None and fp16_autocast(self.device):
+            warn_once(
+                "float16 autocast without a grad_scaler: if the loss is scaled (torch.amp.GradScaler), pass the "
+                "scaler to the preconditioner (grad_scaler=), or G is taken from gradients scale^2 too large"
+            )
+        self.watcher.follow_layers()
+
+    def _end(self, model: nn.Module) -> None:
+        capture = self.watcher.capture
+        capture.examples = None  # every hook of this pass has counted them; a layer called alone counts its own
+        if model.training and torch.is_grad_enabled():
+            scaler = self.watcher.grad_scaler
+            if scaler is not None:  # the scale this forward's loss will be multiplied by
+                capture.grad_scale = scaler.scale(torch.ones((), device=self.device))
+            self.watcher.end_forward()
+
+    def remove(self) -> None:
+        """Take the hooks off the model."""
+        for handle in self.handles:
+            handle.remove()

@@ -1,0 +1,203 @@
+"""Stage *communicate* at run time: factors summed over ranks as the fusion policy groups them.
+
+:class:`Communicator` runs a :class:`~kfacflow.kfac.fusion.Grouper` on the backend during
+training: each group one :class:`FusedSum` (an all-reduce, a reduction to an owner, or pieces to
+several owners, as the :class:`~kfacflow.kfac.fusion.Routing` of the step's plan says).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from kfacflow.comm.base import Backend, Handle
+from kfacflow.kfac.fusion import SCATTER, Grouper, Routing
+from kfacflow.kfac.stages import FusionPolicy, Waiting
+from kfacflow.timing import UNTIL, StepTimer
+
+logger = logging.getLogger(__name__)
+
+
+class FusedSum:
+    """One asynchronous sum over ranks of several packed factors copied into one buffer.
+
+    Args:
+        backend: Where it runs (its K-FAC group).
+        items: ``(key, packed factor)`` pairs; all of one dtype and device.
+        timer: Records the transfer from launch to completion when tracing.
+        dst: The one rank that needs the sum (a reduction), ``None`` for every rank (an all-reduce),
+            or :data:`SCATTER`: each factor to its owner (``owners``; ``items`` in rank order).
+        owners: With :data:`SCATTER`, the owner of each item.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        items: list[tuple[str, Tensor]],
+        timer: StepTimer | None = None,
+        dst: int | None = None,
+        owners: Sequence[int] = (),
+    ) -> None:
+        self.world_size = backend.world_size
+        self.keys = [k for k, _ in items]
+        self.sizes = [t.numel() for _, t in items]
+        self.buffer = torch.cat([t.reshape(-1) for _, t in items]) if len(items) > 1 else items[0][1]
+        self.mine = dst is None or dst == backend.rank
+        self.handle: Handle
+        if dst == SCATTER:
+            counts = [sum(m for m, o in zip(self.sizes, owners, strict=True) if o == r) for r in range(self.world_size)]
+            self.handle = backend.reduce_to_owners_async(self.buffer.view(-1), counts)
+            self.keys = [k for k, o in zip(self.keys, owners, strict=True) if o == backend.rank]
+            self.sizes = [m for m, o in zip(self.sizes, owners, strict=True) if o == backend.rank]
+            self.mine = bool(self.keys)
+        elif dst is None:
+            self.handle = backend.allreduce_async(self.buffer)
+        else:
+            self.handle = backend.reduce_async(self.buffer, dst)
+        self.scattered = dst == SCATTER
+        self.timer, self.t0 = timer, time.perf_counter()
+        self.name = f"{items[0][0]} +{len(items) - 1}" if len(items) > 1 else items[0][0]
+        if dst is not None:
+            self.name += " to owners" if dst == SCATTER else f" to {dst}"
+        if timer is not None and timer.on_done(self.handle, self.name, "allreduce"):
+            self.timer = None
+
+    def wait(self) -> dict[str, Tensor]:
+        """Block until done; return the averaged factors by key (none on a rank a reduction is not for)."""
+        result = self.handle.wait()
+        if self.timer is not None and self.timer.tracing:  # no future to say when it ended: until taken
+            self.timer.record(f"{self.name} {UNTIL}", "allreduce", self.t0, time.perf_counter())
+        if not self.mine:
+            return {}
+        avg = (result if self.scattered else self.buffer) / self.world_size
+        return dict(zip(self.keys, avg.split(self.sizes), strict=True))
+
+
+class Communicator:
+    """Receives packed factors as layers produce them and returns them averaged over ranks.
+
+    The calls each factor-update step: :meth:`push` (A factors, in the forward pass),
+    :meth:`end_forward`, :meth:`push` (G factors, in the backward pass), :meth:`end_backward`,
+    :meth:`wait`. The policy decides when to launch and what to fuse; for a policy that
+    measures, the ready times of its first steps (after one warm-up step) are averaged over
+    ranks, so that every rank plans from the same numbers.
+
+    Args:
+        backend: The communication engine.
+        policy: The fusion policy.
+        timer: Records each all-reduce from launch to completion when tracing.
+    """
+
+    def __init__(self, backend: Backend, policy: FusionPolicy, timer: StepTimer | None = None) -> None:
+        self.backend, self.policy, self.timer = backend, policy, timer
+        self.grouper = Grouper(policy)
+        self.pending: dict[str, Tensor] = {}
+        self.inflight: list[FusedSum] = []
+        self.routing: Routing | None = None
+        """With ``kfac.factor_sync=owner``: where each factor is reduced."""
+        self.launches = 0
+        """Groups launched so far (for tests and logs)."""
+        self.reductions = 0
+        """Reductions to one owner launched so far (``kfac.factor_sync=owner``; for tests and logs)."""
+        self.scattered = 0
+        """Reductions to several owners at once launched so far (:data:`SCATTER`; for tests and logs)."""
+        self.groups: list[list[tuple[str, int]]] = []
+        """The groups of the last complete step, in launch order: ``(key, elements)``."""
+        self._groups: list[list[tuple[str, int]]] = []
+        self._backward = False
+        self._fresh = True
+        self._t0 = 0.0
+        self._measured = 0
+        self._order: list[list[tuple[str, int]]] = [[], []]
+        self._ready: dict[str, list[float]] = {}
+
+    @property
+    def plan(self) -> list[list[str]] | None:
+        """The policy's planned groups, if it plans."""
+        return self.policy.plan
+
+    def push(self, key: str, packed: Tensor) -> None:
+        """Take one local packed factor; launch what the policy says."""
+        if packed.is_cuda and self._measuring:  # a ready time is when the factor is computed, not queued
+            torch.cuda.synchronize(packed.device)
+        now = time.perf_counter()
+        if self._fresh:
+            self._t0, self._fresh = now, False  # the first factor of a step starts the forward clock
+        self._note(key, packed.numel(), now - self._t0)
+        self.pending[key] = packed
+        self._launch(self.grouper.add(Waiting(key, packed.numel(), packed.numel() * packed.element_size())))
+
+    def end_forward(self) -> None:
+        """The forward pass has produced every A factor; the G clock starts."""
+        self._launch(self.grouper.end_forward())
+        self._backward, self._t0 = True, time.perf_counter()
+
+    def end_backward(self) -> None:
+        """The backward pass has produced every G factor."""
+        self._launch(self.grouper.end_backward())
+
+    def wait(self) -> dict[str, Tensor]:
+        """Launch what is still pending, wait for all, return the averaged factors by key."""
+        out: dict[str, Tensor] = {}
+        for averaged in self.arrivals():
+            out.update(averaged)
+        return out
+
+    def arrivals(self) -> Iterator[dict[str, Tensor]]:
+        """Launch what is still pending; yield each all-reduce's averaged factors as it completes, in launch order.
+
+        Iterate to the end: the step's bookkeeping (a measuring policy's plan) runs after the last.
+        """
+        self._launch(self.grouper.end_backward())
+        inflight, self.inflight = self.inflight, []
+        for op in inflight:
+            yield op.wait()
+        self._backward, self._fresh = False, True
+        self.groups, self._groups = self._groups, []
+        self._after_step()
+
+    def _launch(self, keys: list[str] | None) -> None:
+        if keys:
+            items = [(k, self.pending.pop(k)) for k in keys]
+            self._groups.append([(k, t.numel()) for k, t in items])
+            if self.routing is None or self.backend.world_size == 1:
+                self.inflight.append(FusedSum(self.backend, items, self.timer))
+            else:
+                tensors = dict(items)
+                for dst, part in self.routing.parts(keys, {k: t.numel() for k, t in items}):
+                    owners = [self.routing.owners[k] for k in part] if dst == SCATTER else ()
+                    self.inflight.append(
+                        FusedSum(self.backend, [(k, tensors[k]) for k in part], self.timer, dst, owners)
+                    )
+                    self.reductions += dst is not None and dst != SCATTER
+                    self.scattered += dst == SCATTER
+            self.launches += 1
+
+    @property
+    def _measuring(self) -> bool:
+        """Whether this step's ready times are noted (a policy that plans from them, before its plan)."""
+        return bool(self.policy.measure_steps) and self.policy.plan is None
+
+    def _note(self, key: str, elements: int, seconds: float) -> None:
+        if not self._measuring:
+            return
+        if self._measured == 0:  # the first step orders the keys; its times include warm-up
+            self._order[int(self._backward)].append((key, elements))
+        else:
+            self._ready.setdefault(key, []).append(seconds)
+
+    def _after_step(self) -> None:
+        if not self.policy.measure_steps or self.policy.plan is not None:
+            return
+        self._measured += 1
+        if self._measured <= self.policy.measure_steps:
+            return
+        keys = [k for order in self._order for k, _ in order]
+        means = torch.tensor([sum(self._ready[k]) / len(self._ready[k]) for k in keys], dtype=torch.float64)
+        means = self.backend.allreduce_sum(means) / self.backend.world_size
+        ready = dict(zip(keys, means.tolist(), strict=True))
+        self.policy.learn([[(k, ready[k], m) for k, m in order] for order in self._order])

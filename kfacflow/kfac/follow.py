@@ -1,0 +1,70 @@
+"""When the model's trained layers change between steps: K-FAC follows (a frozen layer leaves it).
+
+Every rank runs the same code, so every rank re-plans at the same forward pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kfacflow import UserError
+from kfacflow.kfac.packing import pack, unpack
+from kfacflow.kfac.watch import trained
+
+if TYPE_CHECKING:
+    from kfacflow.kfac.layers import KFACLayer
+    from kfacflow.kfac.strategies import Step
+
+
+def _change(was: tuple[bool, bool], now: tuple[bool, bool]) -> str:
+    if not now[0]:
+        return "frozen (left to the optimizer)"
+    return "bias frozen" if was[1] else "bias trained again (its A factor restarts)"
+
+
+def follow_model(pre: Step, was: Sequence[tuple[bool, bool]]) -> tuple[list[KFACLayer], str]:
+    """Drop what the layers frozen (or whose bias was frozen or unfrozen) since the plan leave.
+
+    ``was``: whether each layer's weight and bias were trained when the plan was made. A frozen
+    layer leaves K-FAC; a frozen bias leaves its layer's A factor (the rest of the running average
+    is exactly the weight's factor); a bias trained again restarts its layer's A factor. The
+    caller plans again and updates every factor and inverts at this step, so no inverse of the old
+    plan is used (collective where running averages are kept by their owners).
+
+    Returns:
+        The layers kept, and what changed (for the log).
+
+    Raises:
+        UserError: Between the micro-batches of a step, or when no preconditioned layer is left.
+    """
+    if pre.capture.micro:
+        raise UserError(
+            "kfac: a preconditioned layer was frozen or unfrozen between the micro-batches of a step; "
+            "change requires_grad between steps."
+        )
+    changed = [
+        (layer, was, now) for layer, was, now in zip(pre.layers, was, trained(pre.layers), strict=True) if was != now
+    ]
+    kept = [layer for layer in pre.layers if layer.module.weight.requires_grad]
+    if not kept:
+        raise UserError(
+            "kfac: every layer K-FAC preconditions is frozen now; remove() the preconditioner (or train some)."
+        )
+    pre.running = pre.stages.factor_sync.every_average(pre)  # collective where owners alone keep theirs
+    for layer, (_, had_bias), (weight, bias) in changed:
+        a_key = f"{layer.name}/A"
+        pre.inverses.pop(a_key, None)
+        if not weight:
+            for key in (a_key, f"{layer.name}/G"):
+                pre.running.pop(key, None)
+                pre.inverses.pop(key, None)
+        elif a_key in pre.running and had_bias and not bias:
+            planned = unpack(pre.running[a_key], next(slot.dim for slot in pre.slots if slot.key == a_key))
+            pre.running[a_key] = pack(planned[:-1, :-1])
+        else:
+            pre.running.pop(a_key, None)
+    frozen = [layer for layer, _, (weight, _) in changed if not weight]
+    pre.claims.release([layer.module for layer in frozen])
+    pre.capture.drop({layer.name for layer in frozen})
+    return kept, ", ".join(f"{layer.name} {_change(was, now)}" for layer, was, now in changed)

@@ -1,0 +1,198 @@
+"""Strategy *grad sync*: when and where a step's gradients are averaged over ranks (``kfac.grad_sync``).
+
+A strategy is asked to act, never inspected: :meth:`GradSync.backward` says how a micro-batch's
+backward pass runs (DDP averaging in it, or not), :meth:`GradSync.gradients` gives the step's own
+gradient traffic (posted behind the factors, awaited to precondition) or ``None``, and
+:meth:`GradSync.usable` whether the step may go on as far as its gradients can be checked before
+K-FAC runs. What it decides of the plan it writes into the plan's :class:`~kfacflow.kfac.plan.Choice`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from kfacflow.comm import scatter
+from kfacflow.comm.base import Backend, Handle
+from kfacflow.kfac.plan import Choice
+from kfacflow.kfac.stages import EVERY_RANK
+from kfacflow.kfac.strategies import AFTER_BACKWARD, OWNERS_PRECONDITION, GradSync
+from kfacflow.registry import GRAD_SYNCS
+from kfacflow.replay import Replay, buckets
+
+
+class GradientAllreduce:
+    """A step's gradients averaged over ranks after the backward pass, on the K-FAC group (``grad_sync=deferred``).
+
+    :meth:`launch` is called once the step's factor all-reduces are posted, so the gradients
+    queue behind them on the link; :meth:`wait` before preconditioning, which is the first thing
+    that needs them. Buckets of about 25 MiB, as DDP's. Gradients :meth:`route` gives to owners
+    (``grad_sync=owner``) go in one reduction to their owners instead; the others keep theirs.
+
+    Args:
+        backend: The engine (its K-FAC group carries the buckets).
+        params: The parameters whose gradients are averaged.
+    """
+
+    BUCKET_BYTES = 25 * 2**20
+
+    def __init__(self, backend: Backend, params: list[nn.Parameter]) -> None:
+        self.backend = backend
+        self.params = params
+        self.inflight: list[tuple[list[Tensor], Tensor, Handle]] = []
+        self.owned: list[list[Tensor]] = []
+        self.routed: tuple[list[Tensor], Handle] | None = None
+        self.launched = False
+
+    def route(self, owned: list[list[Tensor]]) -> None:
+        """Send the gradients of ``owned[r]`` (parameters) to rank ``r`` alone (before :meth:`launch`)."""
+        self.owned = owned
+
+    def launch(self) -> None:
+        """Post the collectives (once)."""
+        if self.launched:
+            return
+        self.launched = True
+        if self.backend.world_size == 1:
+            return
+        routed = {id(p) for ps in self.owned for p in ps}
+        pieces = [[p.grad for p in ps if p.grad is not None] for ps in self.owned]
+        if any(pieces):  # the same on every rank: the same layers ran
+            counts = [sum(g.numel() for g in piece) for piece in pieces]
+            flat = torch.cat([g.reshape(-1) for piece in pieces for g in piece])
+            self.routed = (pieces[self.backend.rank], self.backend.reduce_to_owners_async(flat, counts))
+        grads = [p.grad for p in self.params if p.grad is not None and id(p) not in routed]
+        bucket: list[Tensor] = []
+        nbytes = 0
+        for g in grads:
+            bucket.append(g)
+            nbytes += g.numel() * g.element_size()
+            if nbytes >= self.BUCKET_BYTES:
+                self._post(bucket)
+                bucket, nbytes = [], 0
+        if bucket:
+            self._post(bucket)
+
+    def _post(self, bucket: list[Tensor]) -> None:
+        flat = torch.cat([t.reshape(-1) for t in bucket])
+        self.inflight.append((bucket, flat, self.backend.allreduce_async(flat)))
+
+    def wait(self) -> None:
+        """Launch if need be, wait, and write the averages back into the gradients (routed ones: on their owner)."""
+        self.launch()
+        if self.routed is not None:
+            mine, handle = self.routed
+            self._write_back(mine, handle.wait())
+            self.routed = None
+        for bucket, flat, handle in self.inflight:
+            handle.wait()
+            self._write_back(bucket, flat)
+        self.inflight = []
+
+    def _write_back(self, grads: list[Tensor], flat: Tensor) -> None:
+        flat.div_(self.backend.world_size)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+class Overlap(GradSync):
+    """Gradients averaged during the backward pass (DDP's buckets, Horovod's hooks), before K-FAC starts."""
+
+    def backward(self, backend: Backend, net: nn.Module, last: bool) -> AbstractContextManager[Any]:
+        """DDP averages in the step's last backward pass only (earlier micro-batches accumulate)."""
+        return nullcontext() if last else backend.no_sync(net)
+
+    def gradients(self, backend: Backend, params: list[nn.Parameter]) -> GradientAllreduce | None:
+        """None: the backward pass averaged them."""
+        return None
+
+    def usable(self, backend: Backend, finite: Callable[[], bool]) -> bool:
+        """The averaged gradients are here (the same on every rank): check them now."""
+        return finite()
+
+    def in_backward(self, r: Replay) -> list[tuple[float, int]]:
+        """The simulator's :meth:`backward`: DDP posts each bucket as the backward pass fills it."""
+        return r.buckets
+
+    def replay(self, r: Replay) -> None:
+        """The backward pass returns once DDP's buckets are averaged."""
+        r.grad_comm = max(0.0, r.grads_done - r.t_bwd)
+        r.start = r.t_bwd + r.grad_comm
+
+
+class Deferred(Overlap):
+    """Gradients averaged after the backward pass, behind the factors on K-FAC's group; awaited to precondition."""
+
+    needs: ClassVar[Mapping[str, str]] = {AFTER_BACKWARD: "overlap"}
+    does = "averages the gradients after the backward pass"
+
+    def backward(self, backend: Backend, net: nn.Module, last: bool) -> AbstractContextManager[Any]:
+        """DDP averages nothing: K-FAC's group does, once the factors are on their way."""
+        return backend.no_sync(net)
+
+    def gradients(self, backend: Backend, params: list[nn.Parameter]) -> GradientAllreduce | None:
+        """The step's gradient traffic (the preconditioner routes it by its plan)."""
+        return GradientAllreduce(backend, params) if backend.world_size > 1 else None
+
+    def usable(self, backend: Backend, finite: Callable[[], bool]) -> bool:
+        """Not averaged yet where several ranks run (ranks could disagree): checked after the step, preconditioned."""
+        return backend.world_size > 1 or finite()
+
+    def in_backward(self, r: Replay) -> list[tuple[float, int]]:
+        """Nothing in the backward pass."""
+        return []
+
+    def replay(self, r: Replay) -> None:
+        """Posted after the last factor, so they queue behind every one of them.
+
+        As the plan routes them: one reduction of the owned layers' gradients to their owners,
+        the rest all-reduced in buckets.
+        """
+        if r.workers == 1:
+            return super().replay(r)
+        r.start = r.grads_done = r.t_bwd
+        grads = r.buckets
+        if r.plan.grad_owners is not None:
+            routed, shared = [0] * r.workers, 0
+            for row, owner in zip(r.rows, r.plan.grad_owners, strict=True):
+                if owner == EVERY_RANK:
+                    shared += row["params"]
+                else:
+                    routed[owner] += row["params"]
+            r.grads_done = r.link.send(max(r.start, r.link.free), scatter.cost(r.prof.broadcast, routed))
+            grads, r.routed = buckets(shared), True
+        for _, m in grads:
+            r.grads_done = r.link.send(max(r.start, r.link.free), r.prof.allreduce(m))
+        return None
+
+
+class Owner(Deferred):
+    """As deferred; each owned layer's gradients go to its owner alone where that costs less (from P = 3)."""
+
+    needs: ClassVar[Mapping[str, str]] = {OWNERS_PRECONDITION: "deferred", AFTER_BACKWARD: "overlap"}
+    does = "leaves each layer's gradients on its owner alone"
+
+    def shape(self, choice: Choice) -> Choice:
+        """The plan routes owned layers' gradients to their owners (where it pays)."""
+        return replace(choice, grad_to_owner=True)
+
+
+GRAD_SYNCS.add("overlap", Overlap(), "gradients all-reduced during backward (DDP, Horovod)")
+GRAD_SYNCS.add(
+    "deferred",
+    Deferred(),
+    "gradients all-reduced after backward, behind the factors, awaited to precondition",
+)
+GRAD_SYNCS.add(
+    "owner",
+    Owner(),
+    "as deferred, but each owned layer's gradients reduced to its owner alone where that costs less "
+    "(kfac.broadcast=update, three ranks or more)",
+)

@@ -1,0 +1,81 @@
+"""A stage's own settings: a small dataclass it declares, set in a recipe as ``kfac.options.<name>.<setting>``.
+
+A registry entry names its options class (``Registry.add(..., options=...)``); the class subclasses
+:class:`StageOptions` and may give its fields ranges as the schema's do (``above``, ``at_least``).
+:func:`of` builds the options a run gives the stage, checked as the schema checks its keys, and
+:func:`check` that every ``kfac.options.<name>`` is of a stage that has them. Nothing else names a
+stage's settings, so adding one edits only the stage's own file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from omegaconf import DictConfig, OmegaConf
+
+from kfacflow import UserError, did_you_mean, registry
+from kfacflow.config_errors import merge
+from kfacflow.config_rules import check_ranges
+
+STAGES: tuple[registry.Registry[Any], ...] = (
+    registry.FACTORS,
+    registry.FUSIONS,
+    registry.PLACEMENTS,
+    registry.INVERSES,
+    registry.PRECONDITIONERS,
+    registry.PIPELINES,
+    registry.BROADCASTS,
+    registry.GRAD_SYNCS,
+    registry.FACTOR_SYNCS,
+)
+"""The registries whose entries may have options of their own."""
+
+
+@dataclass(frozen=True)
+class StageOptions:
+    """The base of a stage's options; the fields are its settings, with their defaults."""
+
+    KEYS: ClassVar[Mapping[str, str]] = {}
+    """Settings an older ``kfac`` key also sets (setting -> key), for the recipes written before ``kfac.options``."""
+
+
+def of(entry: registry.Entry[Any], kfac: Any) -> Any:
+    """Return the options ``kfac`` (the section, as a dataclass or a ``DictConfig``) gives ``entry``, or ``None``.
+
+    Its defaults, then the older keys it declares (:attr:`StageOptions.KEYS`), then ``kfac.options.<name>``.
+
+    Raises:
+        UserError: An unknown setting, a wrong type or a value out of range, naming the key.
+    """
+    if entry.options is None:
+        return None
+    kind: type[StageOptions] = entry.options
+    where = f"kfac.options.{entry.name}"
+    older = {setting: _get(kfac, key) for setting, key in kind.KEYS.items()}
+    given = _get(kfac, "options").get(entry.name) or {}
+    node = merge(merge(OmegaConf.structured(kind), older, where), given, where)
+    check_ranges(node, kind, f"{where}.")
+    return OmegaConf.to_object(node)
+
+
+def check(kfac: Any) -> None:
+    """Check every ``kfac.options.<name>``: of a stage with options, each setting known, typed and in range.
+
+    Raises:
+        UserError: Naming the key, with the stages that have options.
+    """
+    having = {entry.name: entry for reg in STAGES for entry in reg if entry.options is not None}
+    for name in _get(kfac, "options"):
+        if name not in having:
+            raise UserError(
+                f"kfac.options.{name}: no stage named {name!r} has options of its own.{did_you_mean(name, having)} "
+                f"Stages with options: {', '.join(sorted(having)) or 'none'}."
+            )
+        of(having[name], kfac)
+
+
+def _get(kfac: Any, key: str) -> Any:
+    value = kfac[key] if isinstance(kfac, DictConfig | Mapping) else getattr(kfac, key)
+    return OmegaConf.to_container(value) if isinstance(value, DictConfig) else value
