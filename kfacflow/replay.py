@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from kfacflow.kfac.plan import StepPlan
@@ -102,9 +103,14 @@ class Replay:
         """The factors' keys, A1, G1, A2, G2, ..."""
         return [f"{r['name']}/{side}" for r in self.rows for side in ("A", "G")]
 
+    @cached_property
+    def preconditioning(self) -> tuple[dict[str, float], float]:
+        """Each layer's preconditioning seconds and the rest of the traced ``Other`` (:func:`precondition_costs`)."""
+        return precondition_costs(self.rows, self.measured)
+
     def breakdown(self, last: Clock, packing: float = 0.0) -> dict[str, float]:
         """The step's parts as the last rank to finish saw them; ``Other`` is what no part names."""
-        _, rest = precondition_costs(self.rows, self.measured)
+        rest = self.preconditioning[1]
         waits = last.waits or {}
         parts = {
             "FF&BP": self.ffbp,

@@ -30,7 +30,7 @@ from typing import Any
 from kfacflow import registry
 from kfacflow.comm import scatter
 from kfacflow.config import KFACConfig
-from kfacflow.kfac import (  # noqa: F401  (they register)  # noqa: F401  (the entries looked up below)
+from kfacflow.kfac import (  # noqa: F401  (all but options register the entries looked up below)
     factor_sync,
     grad_sync,
     inverse,
@@ -178,7 +178,7 @@ def period(
     :func:`simulate`'s step.
     """
     kfac = kfac or KFACConfig()
-    f, i = int(_get(kfac, "factor_update_freq")), int(_get(kfac, "inv_update_freq"))
+    f, i = int(kfac.factor_update_freq), int(kfac.inv_update_freq)
     kinds = [((True, True), 1), ((True, False), i // f - 1), ((False, False), i - i // f)]
     total: dict[str, float] = {}
     for (factors, inverting), count in kinds:
@@ -187,10 +187,6 @@ def period(
             for part, seconds in simulate(layers, profile, workers, stages, *args).items():
                 total[part] = total.get(part, 0.0) + seconds * count / i
     return total
-
-
-def _get(kfac: Any, key: str) -> Any:
-    return kfac[key] if isinstance(kfac, dict) else getattr(kfac, key)
 
 
 def _passes(

@@ -124,8 +124,7 @@ class Chunks(Policy):
 
     def close_group(self, waiting: Sequence[Waiting]) -> bool:
         """When ``size`` factors wait."""
-        own = self.options.own if isinstance(self.options.own, ChunksOptions) else ChunksOptions()
-        return len(waiting) == own.size
+        return len(waiting) == self.own(ChunksOptions).size
 
 
 if "chunks" not in FUSIONS:

@@ -147,6 +147,21 @@ def collect(run_root: Path, warmup: int) -> dict[str, Any]:
     return {"run_dir": str(run_dir), "steps": kept, "sum_s": sum(s["total"] for s in steps)}
 
 
+def every(text: str) -> tuple[int, int]:
+    """``F/I`` (``--intervals``) as factor and inverse intervals.
+
+    Raises:
+        SystemExit: Not two integers >= 1, or I no multiple of F.
+    """
+    try:
+        factor, inverse = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise SystemExit(f"error: --intervals {text!r}: give F/I, e.g. 1/10 or 10/100") from None
+    if factor < 1 or inverse < 1 or inverse % factor:
+        raise SystemExit(f"error: --intervals {text}: both >= 1, and I a multiple of F")
+    return factor, inverse
+
+
 def intervals(text: str | None, steps: int, warmup: int) -> tuple[list[str], int, int]:
     """``F/I`` as recipe overrides, and ``steps`` and ``warmup`` rounded up to whole inverse periods.
 
@@ -158,12 +173,7 @@ def intervals(text: str | None, steps: int, warmup: int) -> tuple[list[str], int
     """
     if text is None:
         return [], steps, warmup
-    try:
-        factor, inverse = (int(v) for v in text.split("/"))
-    except ValueError:
-        raise SystemExit(f"error: --intervals {text!r}: give F/I, e.g. 1/10 or 10/100") from None
-    if factor < 1 or inverse < 1 or inverse % factor:
-        raise SystemExit(f"error: --intervals {text}: both >= 1, and I a multiple of F")
+    factor, inverse = every(text)
     warmup = -(-warmup // inverse) * inverse
     window = max(inverse, -(-(steps - warmup) // inverse) * inverse)
     overrides = [f"kfac.factor_update_freq={factor}", f"kfac.inv_update_freq={inverse}"]
@@ -175,11 +185,11 @@ def summarize(
 ) -> dict[str, Any]:
     """The step time of a configuration's runs: the median, or with ``mean`` the mean (whole inverse periods)."""
     steps = [s for r in runs for s in r["steps"]]
-    median = statistics.median(s["total"] for s in steps)
+    median, average = statistics.median(s["total"] for s in steps), statistics.mean(s["total"] for s in steps)
     out = {
         "median_step_s": median,
-        "mean_step_s": statistics.mean(s["total"] for s in steps),
-        "step_s": statistics.mean(s["total"] for s in steps) if mean else median,
+        "mean_step_s": average,
+        "step_s": average if mean else median,
         "breakdown_s": {c: statistics.mean(s.get(c, 0.0) for s in steps) for c in CATEGORIES},
         "steps_measured": len(steps),
         "runs": [r["run_dir"] for r in runs],

@@ -42,6 +42,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import every as read_intervals  # noqa: E402  (--intervals, read as bench reads it)
+
 from kfacflow import UserError, build, registry  # noqa: E402
 from kfacflow.config import KFACConfig  # noqa: E402
 from kfacflow.kfac import options  # noqa: E402
@@ -128,13 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         options.check(kfac)
     except UserError as e:
         raise SystemExit(f"error: --option: {e}") from None
-    try:
-        kfac.factor_update_freq, kfac.inv_update_freq = (int(v) for v in args.intervals.split("/"))
-    except ValueError:
-        raise SystemExit(f"error: --intervals {args.intervals!r}: give F/I, e.g. 1/10 or 10/100") from None
-    if min(kfac.factor_update_freq, kfac.inv_update_freq) < 1 or kfac.inv_update_freq % kfac.factor_update_freq:
-        raise SystemExit(f"error: --intervals {args.intervals}: both >= 1, and I a multiple of F")
-    every = (kfac.factor_update_freq, kfac.inv_update_freq)
+    every = read_intervals(args.intervals)
+    kfac.factor_update_freq, kfac.inv_update_freq = every
     try:
         layers = scale_compute(average([json.loads(Path(f).read_text()) for f in args.layers]), args.compute_scale)
     except ValueError as e:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 from kfacflow.comm import scatter
 from kfacflow.config import above
@@ -23,6 +23,8 @@ from kfacflow.perf import LinearModel
 from kfacflow.registry import FUSIONS
 
 logger = logging.getLogger(__name__)
+
+OwnOptions = TypeVar("OwnOptions", bound=StageOptions)
 
 SCATTER = -2
 """A :class:`Routing` part reduced to several owners at once, each receiving its own factors."""
@@ -37,6 +39,10 @@ class Policy:
 
     def __init__(self, options: FusionOptions) -> None:
         self.options = options
+
+    def own(self, kind: type[OwnOptions]) -> OwnOptions:
+        """The policy's own options (``kfac.options.<name>``), or the defaults of ``kind`` where none were given."""
+        return self.options.own if isinstance(self.options.own, kind) else kind()
 
     def close_group(self, waiting: Sequence[Waiting]) -> bool:
         """Keep waiting (the pass's end launches what waits)."""
@@ -78,8 +84,7 @@ class Threshold(Policy):
 
     def __init__(self, options: FusionOptions) -> None:
         super().__init__(options)
-        own = options.own if isinstance(options.own, ThresholdOptions) else ThresholdOptions()
-        self.threshold_bytes = int(own.mb * 2**20)
+        self.threshold_bytes = int(self.own(ThresholdOptions).mb * 2**20)
 
     def close_group(self, waiting: Sequence[Waiting]) -> bool:
         """Once the waiting factors fill the buffer."""

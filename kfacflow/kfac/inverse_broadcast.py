@@ -23,7 +23,7 @@ from kfacflow.kfac.routes import batches
 from kfacflow.kfac.stages import EVERY_RANK, FactorSlot, Inverse
 from kfacflow.kfac.strategies import OWNERS_PRECONDITION, OWNERS_READ_FACTORS, Broadcast, Pipeline, Sent, Step
 from kfacflow.registry import BROADCASTS
-from kfacflow.replay import Clock, Replay, per_element, precondition_costs
+from kfacflow.replay import Clock, Replay, per_element
 
 if TYPE_CHECKING:
     from kfacflow.kfac.layers import KFACLayer
@@ -174,7 +174,7 @@ class InverseBroadcast(Broadcast):
                 owner = ranks[owners[i]]
                 owner.t += pack[i]
                 sent.append((i, r.link.send(owner.t, r.prof.broadcast(sizes[i])) if r.workers > 1 else owner.t))
-        cost, _ = precondition_costs(r.rows, r.measured)
+        cost, _ = r.preconditioning
         for k, rank in enumerate(ranks):
             rank.wait(r.grads_done, "GradComm")
             waiting = {keys[i] for i, _ in sent}

@@ -10,9 +10,9 @@ never per step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kfacflow import registry
 from kfacflow.comm import scatter
@@ -72,17 +72,25 @@ class Choice:
     on_arrival: bool = False
 
     @classmethod
+    def shaped(cls, placement: Placement, result: type[Inverse], strategies: Iterable[Any]) -> Choice:
+        """What a placement, an inverse's kind and the strategies decide: each strategy writes its own part."""
+        choice = cls(placement, result)
+        for strategy in strategies:
+            choice = strategy.shape(choice)
+        return choice
+
+    @classmethod
     def named(cls, names: Stages) -> Choice:
         """What the stages a recipe names decide (the simulator's view: nothing is built)."""
-        choice = cls(registry.PLACEMENTS.get(names.placement), registry.INVERSES.get(names.inverse).result)
-        for strategy in (
+        strategies = (
             registry.PIPELINES.get(names.pipeline),
             registry.BROADCASTS.get(names.broadcast),
             registry.FACTOR_SYNCS.get(names.factor_sync),
             registry.GRAD_SYNCS.get(names.grad_sync),
-        ):
-            choice = strategy.shape(choice)
-        return choice
+        )
+        return cls.shaped(
+            registry.PLACEMENTS.get(names.placement), registry.INVERSES.get(names.inverse).result, strategies
+        )
 
 
 @dataclass(frozen=True)

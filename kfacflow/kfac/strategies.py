@@ -248,11 +248,9 @@ class StageSet:
 
 
 def choice_of(stages: StageSet) -> Choice:
-    """What the built stages of a preconditioner decide of its plan: each strategy writes its own part."""
-    choice = Choice(stages.placement, stages.invert.result)
-    for strategy in (stages.pipeline, stages.broadcast, stages.factor_sync, stages.grad_sync):
-        choice = strategy.shape(choice)
-    return choice
+    """What the built stages of a preconditioner decide of its plan (:meth:`~kfacflow.kfac.plan.Choice.shaped`)."""
+    strategies = (stages.pipeline, stages.broadcast, stages.factor_sync, stages.grad_sync)
+    return Choice.shaped(stages.placement, stages.invert.result, strategies)
 
 
 KINDS: dict[str, registry.Registry[Any]] = {
@@ -303,13 +301,12 @@ def fallback(chosen: Mapping[str, str], kind: str, need: str) -> str:
 
 def _conflict(chosen: Mapping[str, str], kind: str, need: str) -> str:
     needing = KINDS[kind].get(chosen[kind])
-    fallback = needing.needs[need]
     for other, reg in KINDS.items():
         givers = [entry.name for entry in reg if need in entry.obj.gives]
         if givers and other != kind:
             lacks = reg.get(chosen[other]).lacks.get(need, "does not")
             return (
                 f"kfac.{kind}={chosen[kind]} {needing.does}, but kfac.{other}={chosen[other]} {lacks}; "
-                f"set kfac.{other}={' or '.join(givers)}, or kfac.{kind}={fallback}."
+                f"set kfac.{other}={' or '.join(givers)}, or kfac.{kind}={needing.needs[need]}."
             )
-    return f"kfac.{kind}={chosen[kind]} needs {need}; set kfac.{kind}={fallback}."
+    return f"kfac.{kind}={chosen[kind]} needs {need}; set kfac.{kind}={needing.needs[need]}."

@@ -26,7 +26,7 @@ from kfacflow.kfac.routes import batches
 from kfacflow.kfac.stages import EVERY_RANK, FactorSlot, Inverse
 from kfacflow.kfac.strategies import OWNERS_PRECONDITION, OWNERS_READ_FACTORS, Broadcast, Pipeline, Sent, Step
 from kfacflow.registry import BROADCASTS
-from kfacflow.replay import Clock, Replay, counts, precondition_costs
+from kfacflow.replay import Clock, Replay, counts
 
 if TYPE_CHECKING:
     from kfacflow.kfac.layers import KFACLayer
@@ -181,7 +181,7 @@ class UpdateBroadcast(Broadcast):
                 if owners[i] in (EVERY_RANK, k):
                     rank.t += r.costs[i]
                     rank.inverse += r.costs[i]
-        cost, _ = precondition_costs(r.rows, r.measured)
+        cost, _ = r.preconditioning
         done: dict[int, float] = {}  # communicated layers and when their owner has the update
         for rank in ranks:
             rank.wait(r.grads_done, "GradComm")
