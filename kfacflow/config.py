@@ -141,6 +141,9 @@ class TrainConfig:
     """Steps between TensorBoard scalar writes."""
     eval_every: int = field(default=1, metadata=at_least(1, "epochs between evaluations"))
     """Epochs between evaluations on the validation set (the final one always runs)."""
+    eval_every_steps: int = field(default=0, metadata=at_least(0, "0 evaluates by train.eval_every epochs only"))
+    """Also evaluate every this many optimizer steps (for a curve of accuracy against time); each evaluation
+    records the training seconds so far (``seconds``: wall time without evaluations and checkpoints)."""
     checkpoint_every: int = field(default=0, metadata=at_least(0, "0 checkpoints at the end of each epoch only"))
     """Steps between checkpoints; 0 checkpoints at the end of each epoch only."""
     keep_checkpoints: int = field(default=2, metadata=at_least(0, "0 keeps every checkpoint"))
@@ -286,6 +289,11 @@ class KFACConfig:
     """Steps between factor updates."""
     inv_update_freq: int = field(default=1, metadata=at_least(1, "steps between inverse updates"))
     """Steps between inverse updates; a multiple of ``factor_update_freq``."""
+    inverse_schedule: Literal["all", "staggered"] = "all"
+    """``all``: every factor is inverted on the same step, every ``inv_update_freq`` steps. ``staggered``: each
+    factor once per period of ``inv_update_freq`` steps, at a factor update of its own, the inversions spread so
+    that every factor update carries an equal share (per rank); every inverse is at most one period old, as with
+    ``all``, but refreshed on a different step (not step for step the same as ``all``)."""
     fusion_threshold_mb: float = field(default=64.0, metadata=above(0, "MiB"))
     """Fusion buffer of the ``threshold`` policy, in MiB (Horovod's default); the same as ``options.threshold.mb``."""
     options: dict[str, Any] = field(default_factory=dict)

@@ -1,4 +1,4 @@
-"""The built-in datasets of ``registry.DATASETS`` (digits, synthetic, cifar10, imagefolder) and their file checks."""
+"""The built-in datasets of ``registry.DATASETS`` (digits, synthetic, fashion_mnist, cifar10, imagefolder)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset, TensorDataset
 
-from kfacflow import DataError, UserError
+from kfacflow import DataError, UserError, idx
 from kfacflow.config import DataConfig
 from kfacflow.data_checks import DataInfo
 from kfacflow.registry import DATASETS
@@ -25,6 +25,14 @@ CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+FASHION_MEAN, FASHION_STD = 0.2860, 0.3530
+FASHION_FILES = {
+    "train_images": "train-images-idx3-ubyte",
+    "train_labels": "train-labels-idx1-ubyte",
+    "val_images": "t10k-images-idx3-ubyte",
+    "val_labels": "t10k-labels-idx1-ubyte",
+}
+FASHION_FETCH = "python tools/fetch_fashion_mnist.py --out DIR"
 CIFAR_TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
 CIFAR_FILES = (*CIFAR_TRAIN_FILES, "test_batch")
 
@@ -101,6 +109,85 @@ def _synthetic(cfg: DataConfig) -> tuple[Dataset, Dataset, DataInfo]:
 
 
 CHECKS["synthetic"] = _check_synthetic
+
+
+def _fashion_files(root: str | None) -> dict[str, Path]:
+    """The four IDX files (gzipped or not) in ``root`` or torchvision's ``FashionMNIST/raw`` below it."""
+    names = ", ".join(f"{name}[.gz]" for name in FASHION_FILES.values())
+    if not root:
+        raise UserError(
+            f"data.root is not set; point it at the Fashion-MNIST IDX files ({names}); {FASHION_FETCH} writes them."
+        )
+    base = Path(root).expanduser()
+    for folder in (base, base / "FashionMNIST" / "raw"):
+        found = {}
+        for key, name in FASHION_FILES.items():
+            path = next((p for p in (folder / f"{name}.gz", folder / name) if p.is_file()), None)
+            if path is not None:
+                found[key] = path
+        if len(found) == len(FASHION_FILES):
+            return found
+    where = "does not exist" if not base.is_dir() else "lacks them"
+    raise UserError(
+        f"data.root={root!r} {where}; Fashion-MNIST needs {names} there (never downloaded at run time: "
+        f"{FASHION_FETCH} writes them, or use the files from the dataset's site as they are)."
+    )
+
+
+def _read_fashion(path: Path, root: str | None, images: bool) -> np.ndarray:
+    try:
+        values = idx.read(path)
+    except (OSError, EOFError, idx.IDXError) as err:
+        why = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise UserError(
+            f"data.root={root!r}: {str(path)!r} is not a readable IDX file ({why}); replace it ({FASHION_FETCH})."
+        ) from None
+    want = (3, "N x 28 x 28 images") if images else (1, "N labels")
+    if values.ndim != want[0] or (images and values.shape[1:] != (28, 28)) or (not images and values.max() > 9):
+        raise UserError(f"data.root={root!r}: {str(path)!r} holds shape {values.shape}, not {want[1]} (labels 0..9).")
+    return values
+
+
+def _check_fashion(cfg: DataConfig) -> None:
+    _fashion_files(cfg.root)
+
+
+@DATASETS.register("fashion_mnist", "Fashion-MNIST IDX files from data.root (tools/fetch_fashion_mnist.py writes them)")
+def _fashion_mnist(cfg: DataConfig) -> tuple[Dataset, Dataset, DataInfo]:
+    files = _fashion_files(cfg.root)
+    split = {key: _read_fashion(path, cfg.root, key.endswith("images")) for key, path in files.items()}
+    for part in ("train", "val"):
+        if len(split[f"{part}_images"]) != len(split[f"{part}_labels"]):
+            raise UserError(f"data.root={cfg.root!r}: {part} images and labels differ in number; replace the files.")
+    size = cfg.image_size or 28
+    info = DataInfo(num_classes=10, channels=1, image_size=size)
+    sets: list[Dataset] = []
+    for part in ("train", "val"):
+        x = torch.from_numpy(split[f"{part}_images"].copy()).unsqueeze(1)
+        y = torch.from_numpy(split[f"{part}_labels"].astype(np.int64))
+        if part == "train" and cfg.augment:
+            from torchvision.transforms import v2
+
+            tail = [] if size == 28 else [v2.Resize((size, size), antialias=True)]
+            tf = v2.Compose(
+                [
+                    v2.RandomCrop(28, padding=2),
+                    v2.RandomHorizontalFlip(),
+                    *tail,
+                    v2.ToDtype(torch.float32, scale=True),
+                    v2.Normalize([FASHION_MEAN], [FASHION_STD]),
+                    v2.ToPureTensor(),
+                ]
+            )
+            sets.append(TransformedImages(x, y, tf))
+            continue
+        # Without augmentation the whole set is one float tensor: no per-sample work in the loader.
+        images = (x.float() / 255 - FASHION_MEAN) / FASHION_STD
+        sets.append(TensorDataset(images if size == 28 else _resize(images, size), y))
+    return sets[0], sets[1], info
+
+
+CHECKS["fashion_mnist"] = _check_fashion
 
 
 def _cifar_dir(root: str | None) -> Path:

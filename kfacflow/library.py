@@ -98,7 +98,7 @@ class KFACPreconditioner:
             ``(S, N, ...)`` inputs (``batch_first=False``).
         **kfac: Any other ``kfac.*`` recipe key: ``fusion``, ``placement``, ``inverse``,
             ``pipeline``, ``broadcast``, ``grad_sync``, ``factor_sync``, ``factor``, ``factor_decay``,
-            ``kl_clip``, ``skip`` (fnmatch patterns of module names), ``profile_steps`` ...
+            ``kl_clip``, ``inverse_schedule``, ``skip`` (fnmatch patterns of module names), ``profile_steps`` ...
 
     Raises:
         UserError: A bad argument (named, with the accepted values), or no layer to precondition.

@@ -95,8 +95,13 @@ class Replay:
     """What the backward pass waited for of the gradients."""
     routed: bool = False
     """Whether the gradients went to their owners alone (who then send the KL clipping's ``v.g``)."""
-    inverting: bool = True
-    """Whether the step inverts (else no inverse is computed or sent: ``kfac.inv_update_freq``)."""
+    inverted: frozenset[str] | None = None
+    """The factors the step inverts (``kfac.inv_update_freq``, ``kfac.inverse_schedule``; no other inverse is
+    computed or sent); ``None``: every factor."""
+
+    def inverts(self, key: str) -> bool:
+        """Whether the step inverts the factor ``key``."""
+        return self.inverted is None or key in self.inverted
 
     @property
     def keys(self) -> list[str]:

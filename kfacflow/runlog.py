@@ -22,8 +22,9 @@ from kfacflow.timing import summarize
 logger = logging.getLogger(__name__)
 
 TIMINGS = "timings.jsonl"
-METRICS = ("step", "kind", "loss", "acc", "lr", "step_s", "images_per_s")
-"""The columns of ``metrics.csv`` (``train.metrics=csv``); validation rows leave the last three empty."""
+METRICS = ("step", "kind", "loss", "acc", "lr", "step_s", "images_per_s", "seconds")
+"""The columns of ``metrics.csv`` (``train.metrics=csv``); training rows leave ``seconds`` (the training seconds
+so far) empty, validation rows ``lr``, ``step_s`` and ``images_per_s``."""
 
 
 class RunLog:
@@ -106,11 +107,14 @@ class RunLog:
                 return False
             return isinstance(row, dict) and kept(row.get("step"), row.get("kind"))
 
+        width = [len(METRICS)]
+
         def csv_row(line: str) -> bool:
             cells = line.split(",")
-            if line == ",".join(METRICS):
+            if cells[:2] == ["step", "kind"]:  # the header: this version's, or an earlier one's with fewer columns
+                width[0] = len(cells)
                 return True
-            return len(cells) == len(METRICS) and cells[0].isdigit() and kept(int(cells[0]), cells[1])
+            return len(cells) == width[0] and cells[0].isdigit() and kept(int(cells[0]), cells[1])
 
         for name, keep in ((TIMINGS, json_row), ("metrics.jsonl", json_row), ("metrics.csv", csv_row)):
             rundir.keep_lines(self.run_dir / name, keep)
@@ -155,8 +159,13 @@ class RunLog:
             rundir.append_lines(self.run_dir / "metrics.jsonl", [json.dumps(record) + "\n"])
         elif kind == "csv":
             path = self.run_dir / "metrics.csv"
-            header = [] if path.is_file() and path.stat().st_size else [",".join(METRICS) + "\n"]
-            row = ",".join("" if record.get(k) is None else str(record[k]) for k in METRICS) + "\n"
+            columns: tuple[str, ...] = METRICS
+            header = [",".join(METRICS) + "\n"]
+            if path.is_file() and path.stat().st_size:
+                # A file an earlier version began (a resume) keeps its columns: rows follow its header.
+                with open(path) as fh:
+                    columns, header = tuple(fh.readline().strip().split(",")), []
+            row = ",".join("" if record.get(k) is None else str(record[k]) for k in columns) + "\n"
             rundir.append_lines(path, [*header, row])
 
     def evaluation(self, record: dict[str, float]) -> None:
@@ -165,12 +174,12 @@ class RunLog:
             return
         self.writer.add_scalar("val/loss", record["val_loss"], record["step"])
         self.writer.add_scalar("val/acc", record["val_acc"], record["step"])
-        self._metrics({"step": record["step"], "kind": "val", "loss": record["val_loss"], "acc": record["val_acc"]})
+        at = {"step": record["step"], "seconds": record["seconds"]}
+        self._metrics(at | {"kind": "val", "loss": record["val_loss"], "acc": record["val_acc"]})
         if "val_acc_ema" in record:
             self.writer.add_scalar("val_ema/loss", record["val_loss_ema"], record["step"])
             self.writer.add_scalar("val_ema/acc", record["val_acc_ema"], record["step"])
-            row = {"step": record["step"], "kind": "val_ema", "loss": record["val_loss_ema"]}
-            self._metrics(row | {"acc": record["val_acc_ema"]})
+            self._metrics(at | {"kind": "val_ema", "loss": record["val_loss_ema"], "acc": record["val_acc_ema"]})
         logger.info("epoch %g: val_loss %.4f val_acc %.4f", record["epoch"], record["val_loss"], record["val_acc"])
 
     def timeline(

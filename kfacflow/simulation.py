@@ -24,7 +24,7 @@ worker does not change with P.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kfacflow import registry
@@ -43,6 +43,7 @@ from kfacflow.kfac import (  # noqa: F401  (all but options register the entries
 from kfacflow.kfac.fusion import SCATTER, Ready, Routing, estimated_arrivals, plan_launches
 from kfacflow.kfac.packing import packed_size
 from kfacflow.kfac.plan import Choice, EngineCaps, StepPlan, make_plan
+from kfacflow.kfac.schedule import stagger
 from kfacflow.kfac.stages import FusionOptions
 from kfacflow.kfac.variants import Stages
 from kfacflow.perf import LinearModel, Profile
@@ -82,6 +83,14 @@ def scaled(profile: Profile, workers: int) -> Profile:
     )
 
 
+@dataclass(frozen=True)
+class Turn:
+    """A factor update of a staggered inverse period: turn ``index`` of ``of`` (:func:`.schedule.stagger`)."""
+
+    index: int
+    of: int
+
+
 def simulate(
     layers: dict[str, Any],
     profile: Profile,
@@ -93,7 +102,7 @@ def simulate(
     gathers: bool = True,
     reduces: bool = True,
     factors: bool = True,
-    inverting: bool = True,
+    inverting: bool | Turn = True,
 ) -> dict[str, float]:
     """Return the breakdown and total of one step (seconds) of ``stages`` on ``workers`` ranks.
 
@@ -111,7 +120,8 @@ def simulate(
         reduces: Whether it reduces to one rank (Horovod does not, nor gloo with CUDA tensors):
             :attr:`~kfacflow.comm.base.Backend.reduces`.
         factors: Whether the step updates factors (``kfac.factor_update_freq``).
-        inverting: Whether it inverts (``kfac.inv_update_freq``); :func:`period` takes the mean over both.
+        inverting: Whether it inverts (``kfac.inv_update_freq``), or which turn of a staggered period it is
+            (``kfac.inverse_schedule=staggered``: the factors of that turn); :func:`period` takes the mean.
     """
     prof = scaled(profile.for_method(stages.inverse), workers)
     if use_measured:
@@ -119,8 +129,12 @@ def simulate(
     caps, sync = EngineCaps(reduces, scatters, gathers), registry.GRAD_SYNCS.get(stages.grad_sync)
     kfac = kfac or KFACConfig()
     step, launches, elements = _passes(layers, prof, workers, stages, use_measured, kfac, caps, factors)
-    step.costs = step.costs if inverting else [0.0] * len(step.costs)
-    step.inverting = inverting
+    if isinstance(inverting, Turn):
+        turns = stagger(step.plan.dims, step.plan.owners, workers, inverting.of)
+        step.inverted = frozenset(k for k, turn in zip(step.keys, turns, strict=True) if turn == inverting.index)
+    else:
+        step.inverted = frozenset(step.keys if inverting else ())
+    step.costs = [cost if key in step.inverted else 0.0 for key, cost in zip(step.keys, step.costs, strict=True)]
     # Factors to owners (as the plan routes them): one reduction per owner of a group (a broadcast
     # reversed: its cost), in one direction of the link between two ranks; the NCTs all-reduced.
     owner = dict(zip(step.keys, step.plan.factor_owners or (), strict=True)) if step.plan.factor_owners else {}
@@ -174,12 +188,18 @@ def period(
     """The mean step over one inverse period of ``kfac.factor_update_freq`` F and ``kfac.inv_update_freq`` I.
 
     Of I steps, one updates factors and inverts, I/F - 1 update factors only, and the rest neither:
-    each kind simulated once (:func:`simulate`), weighted by how often it comes. At 1/1 it is
-    :func:`simulate`'s step.
+    each kind simulated once (:func:`simulate`), weighted by how often it comes. Staggered
+    (``kfac.inverse_schedule``), each of the I/F factor updates inverts the factors of its turn.
+    At 1/1 it is :func:`simulate`'s step.
     """
     kfac = kfac or KFACConfig()
     f, i = int(kfac.factor_update_freq), int(kfac.inv_update_freq)
-    kinds = [((True, True), 1), ((True, False), i // f - 1), ((False, False), i - i // f)]
+    kinds: list[tuple[tuple[bool, bool | Turn], int]]
+    if kfac.inverse_schedule == "staggered" and i // f > 1:
+        kinds = [((True, Turn(turn, i // f)), 1) for turn in range(i // f)]
+    else:
+        kinds = [((True, True), 1), ((True, False), i // f - 1)]
+    kinds.append(((False, False), i - i // f))
     total: dict[str, float] = {}
     for (factors, inverting), count in kinds:
         if count:

@@ -9,6 +9,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Iterator
+from contextlib import contextmanager
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,9 @@ class Trainer:
         """Parameter tensors found to differ from rank 0's and restored (see kfacflow.consistency)."""
         self._saved = (-1, 0)
         """(step, evaluations) of the newest checkpoint this process wrote or resumed from."""
+        self._seconds = 0.0
+        """Training seconds of earlier processes of this run (a resume) and of this one until ``_since``."""
+        self._since: float | None = None
         if built.resume_state is not None:
             self.load_state_dict(built.resume_state)
             self._saved = (self.step, len(self.history))
@@ -98,6 +102,21 @@ class Trainer:
     def finished(self) -> bool:
         """Whether every step of the run is done (a resumed finished run has nothing to train)."""
         return self.step >= self.total
+
+    @property
+    def train_seconds(self) -> float:
+        """Wall seconds spent training in this run so far, over resumes; evaluations and checkpoints left out."""
+        return self._seconds + (0.0 if self._since is None else time.perf_counter() - self._since)
+
+    @contextmanager
+    def _not_training(self) -> Iterator[None]:
+        """Leave the ``with`` body out of every step and out of :attr:`train_seconds`."""
+        seconds, self._since = self.train_seconds, None
+        try:
+            with self.timer.outside():
+                yield
+        finally:
+            self._seconds, self._since = seconds, time.perf_counter()
 
     @property
     def evaluated(self) -> bool:
@@ -119,6 +138,7 @@ class Trainer:
             "ema": self.ema.state_dict() if self.ema is not None else None,
             "loss_scale": self.precision.state_dict(),
             "history": self.history,
+            "train_seconds": self.train_seconds,
             "rng": self.backend.gather_objects(rng_state()),
         }
 
@@ -133,6 +153,7 @@ class Trainer:
             self.ema.load_state_dict(state["ema"])  # a run resumed with train.ema newly on starts it afresh
         self.precision.load_state_dict(state.get("loss_scale"))
         self.step, self.history = int(state["step"]), list(state["history"])
+        self._seconds = float(state.get("train_seconds", 0.0))  # written before it was kept: counted from here
         set_rng_state(state["rng"][self.rank])
 
     def checkpoint(self) -> None:
@@ -142,7 +163,7 @@ class Trainer:
             TrainingError: If the parameters are non-finite (nothing is written).
             StorageError: On every rank, if rank 0 could not write it (the previous ones stay).
         """
-        with self.timer.outside():
+        with self._not_training():
             self._checkpoint()
 
     def _checkpoint(self) -> None:
@@ -171,8 +192,9 @@ class Trainer:
 
         A resumed run that is already finished only runs its final evaluation if that is missing.
         """
-        start = time.perf_counter()
+        start = self._since = time.perf_counter()
         self.report.open(self.step, self.total, self.evaluated)
+        every = self.cfg.train.eval_every_steps
         epoch_loss = (0.0, 0)
         while self.step < self.total:
             epoch, offset = divmod(self.step, self.steps_per_epoch)
@@ -189,6 +211,8 @@ class Trainer:
                 if self.step % self.cfg.train.log_every == 0 or self.step == self.total:
                     self._log_train(sums)
                     sums.zero_()
+                if every and self.step % every == 0 and self.step < self.total:
+                    self._evaluate(self.step / self.steps_per_epoch)
                 if self.cfg.train.checkpoint_every and self.step % self.cfg.train.checkpoint_every == 0:
                     self.checkpoint()
                 if self.step >= self.total or self.step % self.steps_per_epoch == 0 or self.stopped_by:
@@ -198,8 +222,8 @@ class Trainer:
                 break
             done_epoch = self.step % self.steps_per_epoch == 0
             last = self.step >= self.total
-            if last or (done_epoch and (epoch + 1) % self.cfg.train.eval_every == 0):
-                self._evaluate(epoch + 1)
+            if (last or (done_epoch and (epoch + 1) % self.cfg.train.eval_every == 0)) and not self.evaluated:
+                self._evaluate(epoch + 1 if done_epoch else self.step / self.steps_per_epoch)
             if done_epoch and not self.cfg.train.checkpoint_every and not last:
                 self.checkpoint()
         if self.finished and not self.evaluated and not self.stopped_by:
@@ -358,11 +382,12 @@ class Trainer:
             self.variant, self.stages = auto.switch(self.kfac, traced, self.cfg, self.backend, build.stages)
 
     def _evaluate(self, epoch: float) -> None:
-        with self.timer.outside(), torch.no_grad():
-            self._evaluate_now(epoch)
+        seconds = self.train_seconds
+        with self._not_training(), torch.no_grad():
+            self._evaluate_now(epoch, seconds)
 
-    def _evaluate_now(self, epoch: float) -> None:
-        record = {"epoch": epoch, "step": self.step}
+    def _evaluate_now(self, epoch: float, seconds: float) -> None:
+        record = {"epoch": epoch, "step": self.step, "seconds": round(seconds, 3)}
         for suffix, net in (("", self.net), ("_ema", self.ema)):
             if net is None:
                 continue

@@ -1,4 +1,4 @@
-"""Tests for kfacflow.data: digits, synthetic, cifar10 and imagefolder datasets."""
+"""Tests for kfacflow.data: digits, synthetic, fashion_mnist, cifar10 and imagefolder datasets."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def _all(ds: torch.utils.data.Dataset) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_registry_has_entries() -> None:
-    for name in ("digits", "synthetic", "cifar10", "imagefolder"):
+    for name in ("digits", "synthetic", "fashion_mnist", "cifar10", "imagefolder"):
         assert name in DATASETS
 
 
@@ -220,3 +220,60 @@ def test_every_label_of_a_tensor_dataset_is_checked() -> None:
         check_sets("mine:data", TensorDataset(x, y.clone().zero_()), TensorDataset(x, y), info)
     with pytest.raises(UserError, match=r"DataInfo.channels=0 must be an int >= 1"):
         check_sets("mine:data", TensorDataset(x, y), TensorDataset(x, y), DataInfo(3, 0, 2))
+
+
+def _write_fashion(folder: Path, n_train: int = 12, n_val: int = 5, gz: bool = True) -> dict[str, np.ndarray]:
+    """Small Fashion-MNIST IDX files of known values (images: pixel (i, j) of image k is (k + i + j) % 256)."""
+    from kfacflow import idx
+
+    folder.mkdir(parents=True, exist_ok=True)
+    k, i, j = np.ogrid[: n_train + n_val, :28, :28]
+    images = ((k + i + j) % 256).astype(np.uint8)
+    labels = (np.arange(n_train + n_val) % 10).astype(np.uint8)
+    sets = {"train-images-idx3-ubyte": images[:n_train], "train-labels-idx1-ubyte": labels[:n_train]}
+    sets |= {"t10k-images-idx3-ubyte": images[n_train:], "t10k-labels-idx1-ubyte": labels[n_train:]}
+    for name, values in sets.items():
+        idx.write(folder / (f"{name}.gz" if gz else name), values)
+    return sets
+
+
+def test_idx_round_trip_and_header(tmp_path: Path) -> None:
+    from kfacflow import idx
+
+    values = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
+    idx.write(tmp_path / "a", values)
+    # The format by hand: 0, 0, type 0x08, 3 dimensions, then 2, 3, 4 as big-endian 4-byte integers.
+    assert (tmp_path / "a").read_bytes() == bytes([0, 0, 8, 3, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0, 4, *range(24)])
+    idx.write(tmp_path / "a.gz", values)
+    assert np.array_equal(idx.read(tmp_path / "a"), values) and np.array_equal(idx.read(tmp_path / "a.gz"), values)
+    (tmp_path / "b").write_bytes(bytes([0, 0, 8, 1, 0, 0, 0, 5, 1, 2]))
+    with pytest.raises(idx.IDXError, match="2 values where the header says 5"):
+        idx.read(tmp_path / "b")
+
+
+@pytest.mark.parametrize(("nested", "gz"), [(False, True), (True, False)])
+def test_fashion_mnist_loads(tmp_path: Path, nested: bool, gz: bool) -> None:
+    folder = tmp_path / "FashionMNIST" / "raw" if nested else tmp_path
+    sets = _write_fashion(folder, gz=gz)
+    train, val, info = build_datasets(DataConfig(name="fashion_mnist", root=str(tmp_path), augment=False))
+    assert info == DataInfo(num_classes=10, channels=1, image_size=28)
+    assert len(train) == 12 and len(val) == 5  # type: ignore[arg-type]
+    x, y = _all(val)
+    raw = torch.from_numpy(sets["t10k-images-idx3-ubyte"]).float().unsqueeze(1)
+    assert torch.allclose(x, (raw / 255 - 0.2860) / 0.3530) and y.tolist() == [2, 3, 4, 5, 6]
+    augmented, _, _ = build_datasets(DataConfig(name="fashion_mnist", root=str(tmp_path), image_size=32))
+    assert augmented[0][0].shape == (1, 32, 32) and augmented[0][0].dtype == torch.float32
+
+
+def test_fashion_mnist_missing_or_damaged_files_are_one_line(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"data.root is not set.*fetch_fashion_mnist.py"):
+        check_data(DataConfig(name="fashion_mnist"))
+    with pytest.raises(UserError, match=r"does not exist; Fashion-MNIST needs train-images-idx3-ubyte\[.gz\]"):
+        check_data(DataConfig(name="fashion_mnist", root=str(tmp_path / "nowhere")))
+    _write_fashion(tmp_path)
+    (tmp_path / "t10k-labels-idx1-ubyte.gz").unlink()
+    with pytest.raises(UserError, match="lacks them"):
+        check_data(DataConfig(name="fashion_mnist", root=str(tmp_path)))
+    (tmp_path / "t10k-labels-idx1-ubyte.gz").write_bytes(b"not gzip")
+    with pytest.raises(UserError, match=r"t10k-labels-idx1-ubyte.gz' is not a readable IDX file"):
+        build_datasets(DataConfig(name="fashion_mnist", root=str(tmp_path)))

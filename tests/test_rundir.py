@@ -135,7 +135,8 @@ def _rows(path: Path) -> list[tuple[int, str]]:
     """The (step, kind) of every row of metrics.csv (after its header) or metrics.jsonl."""
     lines = path.read_text().splitlines()
     if path.suffix == ".csv":
-        assert lines[0] == "step,kind,loss,acc,lr,step_s,images_per_s"
+        assert lines[0] == "step,kind,loss,acc,lr,step_s,images_per_s"  # an earlier version's columns stay
+        assert all(len(line.split(",")) == 7 for line in lines), lines  # and the rows appended follow them
         return [(int(line.split(",")[0]), line.split(",")[1]) for line in lines[1:]]
     return [(json.loads(line)["step"], json.loads(line)["kind"]) for line in lines]
 

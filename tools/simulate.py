@@ -26,7 +26,8 @@ owners alone (``owner``), factors to their owners (``kfac.factor_sync=owner``), 
 once from three ranks on where that pays. Each inverse method has its own model where the
 profile measured one (``methods``). ``--intervals F/I`` simulates the recipe's update intervals:
 the mean step over one inverse period (one inverting step, I/F - 1 steps that only update factors,
-the rest neither), what ``kfac.variant=auto`` compares. The lower bound hides all communication and shares perfectly
+the rest neither), what ``kfac.variant=auto`` compares; with ``--inverse-schedule staggered`` each factor update
+inverts its own turn's factors. The lower bound hides all communication and shares perfectly
 balanced inverses for free; preconditioning, which every rank does for every layer, stays in it.
 """
 
@@ -113,6 +114,12 @@ def main(argv: list[str] | None = None) -> int:
         help="factors every F steps, inverses every I: the mean step over one inverse period (default 1/1: every step)",
     )
     p.add_argument(
+        "--inverse-schedule",
+        choices=("all", "staggered"),
+        default="all",
+        help="kfac.inverse_schedule: every factor inverted on one step of the period, or each at a turn of its own",
+    )
+    p.add_argument(
         "--engine",
         choices=sorted(ENGINES),
         default="nccl",
@@ -132,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"error: --option: {e}") from None
     every = read_intervals(args.intervals)
     kfac.factor_update_freq, kfac.inv_update_freq = every
+    kfac.inverse_schedule = args.inverse_schedule
     try:
         layers = scale_compute(average([json.loads(Path(f).read_text()) for f in args.layers]), args.compute_scale)
     except ValueError as e:

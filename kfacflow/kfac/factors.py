@@ -24,7 +24,6 @@ factors of one worker with ``P N`` examples.
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -32,21 +31,40 @@ from kfacflow.kfac.layers import bias_preconditioned
 from kfacflow.registry import FACTORS
 
 
-def _with_ones(a: Tensor, bias: bool) -> Tensor:
-    if not bias:
-        return a
-    return torch.cat([a, a.new_ones(a.shape[0], 1)], dim=1)
+def conv_windows(module: nn.Conv2d, x: Tensor) -> Tensor:
+    """Return the input windows of ``module`` as a view ``(N, H_out, W_out, C_in, kh, kw)`` of the padded input.
+
+    Padding is applied as the module applies it (``_reversed_padding_repeated_twice`` covers
+    integer, tuple and ``"same"`` padding). A view, not ``F.unfold``'s copy: the patches are then
+    copied once, straight into the matrix the factor is made from (or, for ``reduce``, averaged
+    without any copy).
+    """
+    x = F.pad(x, module._reversed_padding_repeated_twice)
+    (kh, kw), (sh, sw), (dh, dw) = module.kernel_size, module.stride, module.dilation
+    windows = x.unfold(2, dh * (kh - 1) + 1, sh).unfold(3, dw * (kw - 1) + 1, sw)[..., ::dh, ::dw]
+    return windows.permute(0, 2, 3, 1, 4, 5)
 
 
 def conv_patches(module: nn.Conv2d, x: Tensor) -> Tensor:
-    """Return the input patches of ``module`` as ``(N, L, C_in*kh*kw)``.
+    """Return the input patches of ``module`` as ``(N, L, C_in*kh*kw)`` (``F.unfold``'s order, transposed)."""
+    w = conv_windows(module, x)
+    return w.reshape(w.shape[0], w.shape[1] * w.shape[2], -1)
 
-    Padding is applied as the module applies it (``_reversed_padding_repeated_twice`` covers
-    integer, tuple and ``"same"`` padding), then ``F.unfold`` without padding.
+
+def _rows(a: Tensor, bias: bool) -> Tensor:
+    """``a`` as a matrix of rows, with a ones column where the bias is preconditioned with the weight.
+
+    ``a`` is ``(rows, width)`` or conv windows ``(N, H_out, W_out, C_in, kh, kw)`` (rows: the first three
+    dimensions). The rows are copied at most once, into a matrix that already holds the ones column.
     """
-    x = F.pad(x, module._reversed_padding_repeated_twice)
-    cols = F.unfold(x, module.kernel_size, dilation=module.dilation, stride=module.stride)
-    return cols.transpose(1, 2)
+    lead = 3 if a.dim() == 6 else 1
+    n, width = a.shape[:lead].numel(), a.shape[lead:].numel()
+    if not bias:
+        return a.reshape(n, width)
+    out = a.new_empty(n, width + 1)
+    out[:, :width].view(a.shape).copy_(a)
+    out[:, width] = 1
+    return out
 
 
 class ExpandFactors:
@@ -63,11 +81,13 @@ class ExpandFactors:
         """
         bias = bias_preconditioned(module)
         if isinstance(module, nn.Conv2d):
-            a = self._conv_a(module, x)
+            a = _rows(self._conv_a(module, x), bias)
         else:
-            a = x.reshape(-1, x.shape[-1])
-        a = _with_ones(a, bias)
-        return a.T @ (a / a.shape[0]), a.shape[0]
+            a = _rows(x.reshape(-1, x.shape[-1]), bias)
+        n = a.shape[0]
+        if a.dtype.itemsize < 4:  # float16's 65504 would overflow in the sum: scale the rows first
+            return a.T @ (a / n), n
+        return (a.T @ a).div_(n), n  # one division of the product, not of the (much larger) rows
 
     def g_factor(self, module: nn.Module, grad_out: Tensor, batch: int) -> Tensor:
         """Return G for ``module`` from the gradient of its output and the local batch size."""
@@ -75,11 +95,11 @@ class ExpandFactors:
             g = self._conv_g(grad_out)
         else:
             g = grad_out.reshape(-1, grad_out.shape[-1])
-        return (g.T @ g) * batch
+        return (g.T @ g).mul_(batch)
 
     def _conv_a(self, module: nn.Conv2d, x: Tensor) -> Tensor:
-        p = conv_patches(module, x)
-        return p.reshape(-1, p.shape[-1])
+        """The patches, as windows ``(N, H_out, W_out, C_in, kh, kw)`` (``_rows`` copies them once)."""
+        return conv_windows(module, x)
 
     def _conv_g(self, grad_out: Tensor) -> Tensor:
         return grad_out.flatten(2).transpose(1, 2).reshape(-1, grad_out.shape[1])
@@ -89,7 +109,7 @@ class ReduceFactors(ExpandFactors):
     """K-FAC-reduce factors: Conv2d patches averaged and output gradients summed over positions."""
 
     def _conv_a(self, module: nn.Conv2d, x: Tensor) -> Tensor:
-        return conv_patches(module, x).mean(dim=1)
+        return conv_windows(module, x).mean(dim=(1, 2)).flatten(1)
 
     def _conv_g(self, grad_out: Tensor) -> Tensor:
         return grad_out.sum(dim=(2, 3))

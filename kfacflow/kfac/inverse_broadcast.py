@@ -170,7 +170,7 @@ class InverseBroadcast(Broadcast):
                 if owners[i] in (EVERY_RANK, k):
                     rank.t += r.costs[i]
                     rank.inverse += r.costs[i]
-            if owners[i] != EVERY_RANK and r.inverting:  # nothing is sent where nothing was inverted
+            if owners[i] != EVERY_RANK and r.inverts(keys[i]):  # nothing is sent where nothing was inverted
                 owner = ranks[owners[i]]
                 owner.t += pack[i]
                 sent.append((i, r.link.send(owner.t, r.prof.broadcast(sizes[i])) if r.workers > 1 else owner.t))

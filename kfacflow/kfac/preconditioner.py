@@ -142,7 +142,8 @@ class Preconditioner:
         world, caps, choice = self.backend.world_size, EngineCaps.of(self.backend), choice_of(self.stages)
         self.plan = make_plan(layout, choice, world, self.profile, caps, settled, times)
         placed = place(self.plan, self.layers, self.slots, self.backend, self.profile)
-        self.order, self.layer_order, self.grad_owned = placed.order, placed.layer_order, placed.grad_owned
+        self._order, self.layer_order, self.grad_owned = placed.order, placed.layer_order, placed.grad_owned
+        self.schedule.plan(self.keys, self.plan.dims, self.plan.owners, world)
         self.update_buckets, self.gathered = placed.update_buckets, placed.gathered
         self.comm.routing, self.held = placed.routing, placed.held
         self._keep_held()
@@ -150,6 +151,11 @@ class Preconditioner:
     def _keep_held(self) -> None:
         if self.held is not None:  # another rank keeps the rest
             self.running = {key: avg for key, avg in self.running.items() if key in self.held}
+
+    @property
+    def order(self) -> list[FactorSlot]:
+        """The plan's inversion order, of the factors this step inverts (``kfac.inverse_schedule``)."""
+        return [slot for slot in self._order if self.schedule.due(slot.key)]
 
     @property
     def keys(self) -> list[str]:
@@ -216,6 +222,7 @@ class Preconditioner:
     def set_intervals(self, factor_update_freq: int, inv_update_freq: int) -> None:
         """Change the update intervals from this step on (schedules of the step, as the library API takes)."""
         self.cfg.factor_update_freq, self.cfg.inv_update_freq = factor_update_freq, inv_update_freq
+        self.schedule.plan(self.keys, self.plan.dims, self.plan.owners, self.backend.world_size)
         self.capture.active = self.schedule.factors()
 
     def _next_step(self, refreshed: bool = True) -> None:

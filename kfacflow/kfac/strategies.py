@@ -86,12 +86,15 @@ class Step(Protocol):
     """Running averages, packed, of the factors this rank keeps."""
     inverses: dict[str, Inverse]
     inverse_dtype: torch.dtype
-    order: list[FactorSlot]
-    """The plan's inversion order."""
     layer_order: list[KFACLayer]
     update_buckets: dict[str, list[str]]
     gathered: set[str]
     grad_owned: list[list[Tensor]]
+
+    @property
+    def order(self) -> list[FactorSlot]:
+        """The plan's inversion order, of the factors this step inverts."""
+        ...
 
     @property
     def steps(self) -> int:

@@ -1,0 +1,287 @@
+"""Time to accuracy: train one recipe with SGD, AdamW and K-FAC, each tuned by the same kind of sweep.
+
+    python tools/fetch_fashion_mnist.py --out data/fashion-mnist
+    python tools/tta.py recipes/fashion_cnn.yaml --epochs 4 --seeds 0,1,2 --targets 0.88,0.90 \
+        --out docs/results/tta_fashion_cnn
+
+For every optimizer (``--optimizers``) every point of its grid (``--grid``, or the defaults below)
+is trained with the first seed for the whole budget; the point with the best final validation
+accuracy (ties: fewer training seconds) is then trained with the other seeds. Every run is a plain
+``python run.py RECIPE ...`` on the recipe's workers (``launch.nproc``) with the same epochs,
+evaluating every ``--eval-every`` steps; each evaluation records the training seconds so far
+(``seconds`` in the run's history: wall time of the training loop, evaluations and checkpoints
+left out, the same clock for every optimizer). A run whose ``summary.json`` is already in ``--out``
+is read, not trained again, so an interrupted sweep resumes where it stopped.
+
+Writes ``tta.json`` (every run's history, the chosen points, the summary), ``tta.md`` (the mean step:
+training seconds over steps, inversion steps and all; seconds and epochs to each target: mean and
+range over the seeds that reach it, with how many did, and K-FAC's time as a ratio to the fastest
+first-order optimizer that every seed of which reached it) and
+``tta.png`` (validation accuracy against training seconds and against epochs, mean over seeds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FIRST_ORDER = ("sgd", "adamw")
+ONE_TEN = ["kfac.factor_update_freq=1", "kfac.inv_update_freq=10"]
+OPTIMIZERS = {
+    "sgd": ["kfac.variant=sgd", "optim.name=sgd"],
+    "adamw": ["kfac.variant=sgd", "optim.name=adamw"],
+    "flow": ["kfac.variant=flow", *ONE_TEN],
+    "flow_reduce": ["kfac.variant=flow", "kfac.factor=reduce", *ONE_TEN],
+    "flow_staggered": ["kfac.variant=flow", "kfac.inverse_schedule=staggered", *ONE_TEN],
+    "flow_10_100": ["kfac.variant=flow", "kfac.factor_update_freq=10", "kfac.inv_update_freq=100"],
+    "spd": ["kfac.variant=spd", *ONE_TEN],
+}
+"""What makes each optimizer of the comparison out of the recipe: K-FAC with factors every step and inverses
+every 10 (kfac-pytorch's CIFAR-10 defaults), or ``flow_10_100``: every 10 and 100 (its ImageNet defaults)."""
+GRIDS = {
+    "sgd": "optim.lr:0.05,0.1,0.2",
+    "adamw": "optim.lr:0.001,0.003",
+    "flow": "optim.lr:0.1;kfac.damping:0.03,0.1",
+    "flow_reduce": "optim.lr:0.1;kfac.damping:0.03,0.1",
+    "flow_staggered": "optim.lr:0.1;kfac.damping:0.03,0.1",
+    "flow_10_100": "optim.lr:0.1;kfac.damping:0.03,0.1",
+    "spd": "optim.lr:0.1;kfac.damping:0.03,0.1",
+}
+"""The default sweeps: the rates each optimizer is usually run at on small image models."""
+
+
+def parse_grid(text: str) -> list[list[str]]:
+    """``KEY:V1,V2;KEY2:V3`` -> every combination, as override lists (``["KEY=V1", "KEY2=V3"]``, ...)."""
+    axes = []
+    for part in filter(None, text.split(";")):
+        key, sep, values = part.partition(":")
+        if not sep or not key.strip() or not values.strip():
+            raise SystemExit(f"--grid {text!r}: each part is KEY:VALUE[,VALUE...], not {part!r}")
+        axes.append([f"{key.strip()}={v.strip()}" for v in values.split(",")])
+    return [list(point) for point in itertools.product(*axes)] if axes else [[]]
+
+
+def point_name(point: list[str]) -> str:
+    """A folder name for one point of a grid (``optim.lr=0.1 kfac.damping=0.03`` -> ``lr0.1_damping0.03``)."""
+    return "_".join(item.split("=")[0].rsplit(".", 1)[-1] + item.split("=")[1] for item in point) or "recipe"
+
+
+def reached(history: list[dict[str, Any]], target: float) -> dict[str, float] | None:
+    """The first evaluation at or above ``target``: its training seconds and epoch (None if none is)."""
+    for record in history:
+        if record["val_acc"] >= target:
+            return {"seconds": record["seconds"], "epoch": record["epoch"]}
+    return None
+
+
+def train(recipe: str, overrides: list[str], folder: Path) -> dict[str, Any]:
+    """Run ``run.py`` once (or read the summary a previous sweep left in ``folder``); return its summary."""
+    summary_file = folder / "summary.json"
+    if not summary_file.is_file():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, str(ROOT / "run.py"), recipe, *overrides, f"out_dir={folder.parent}"]
+        print("  $", " ".join(command[1:]), flush=True)
+        t0 = time.perf_counter()
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        wall = time.perf_counter() - t0
+        if done.returncode != 0:
+            raise SystemExit(f"run failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        run_dir = Path(done.stdout.strip().splitlines()[-1])
+        summary = json.loads((run_dir / "summary.json").read_text())
+        summary["outside_wall_s"] = wall
+        run_dir.rename(folder)  # a stable name, so that a rerun finds it
+        summary_file.write_text(json.dumps(summary, indent=1))
+    return json.loads(summary_file.read_text())  # type: ignore[no-any-return]
+
+
+def record(name: str, point: list[str], seed: int, summary: dict[str, Any]) -> dict[str, Any]:
+    """What ``tta.json`` keeps of one run."""
+    return {
+        "optimizer": name,
+        "point": point,
+        "seed": seed,
+        "val_acc": summary["val_acc"],
+        "train_seconds": summary["history"][-1]["seconds"],
+        "steps": summary["steps"],
+        "step_time_median_s": summary["step_time_median_s"],
+        "outside_wall_s": summary.get("outside_wall_s"),
+        "history": [{k: r[k] for k in ("epoch", "step", "seconds", "val_acc", "val_loss")} for r in summary["history"]],
+    }
+
+
+def best(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the best final validation accuracy; ties go to fewer training seconds."""
+    return max(runs, key=lambda r: (r["val_acc"], -r["train_seconds"]))
+
+
+def summarize(chosen: dict[str, list[dict[str, Any]]], targets: list[float]) -> list[dict[str, Any]]:
+    """Per optimizer and target: seconds and epochs to it over the seeds (mean, range, how many reached it)."""
+    rows = []
+    for name, runs in chosen.items():
+        row: dict[str, Any] = {
+            "optimizer": name,
+            "point": runs[0]["point"],
+            "seeds": len(runs),
+            "final_acc_mean": statistics.fmean(r["val_acc"] for r in runs),
+            "final_acc_range": [min(r["val_acc"] for r in runs), max(r["val_acc"] for r in runs)],
+            "step_ms": 1000 * statistics.fmean(r["train_seconds"] / r["steps"] for r in runs),
+            "median_step_ms": 1000 * statistics.fmean(r["step_time_median_s"] for r in runs),
+            "budget_seconds": statistics.fmean(r["train_seconds"] for r in runs),
+        }
+        for target in targets:
+            hits = [h for r in runs if (h := reached(r["history"], target)) is not None]
+            entry: dict[str, Any] = {"reached": len(hits)}
+            for unit in ("seconds", "epoch"):
+                values = [h[unit] for h in hits]
+                entry[unit] = statistics.fmean(values) if values else None
+                entry[f"{unit}_range"] = [min(values), max(values)] if values else None
+            row[f"{target:g}"] = entry
+        rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]], targets: list[float]) -> str:
+    """The table of ``tta.md``: a K-FAC row's seconds also as a ratio to the fastest first-order optimizer."""
+    head = "| optimizer (chosen point) | final val acc | ms/step (mean) |"
+    head += "".join(f" to {t:.0%}: s (range) | epochs |" for t in targets)
+    lines = [head, "|" + "---|" * (3 + 2 * len(targets))]
+    fastest = {}  # per target: the fewest mean seconds of a first-order optimizer whose every seed reached it
+    for target in targets:
+        key = f"{target:g}"
+        times = [r[key]["seconds"] for r in rows if r["optimizer"] in FIRST_ORDER and r[key]["reached"] == r["seeds"]]
+        fastest[target] = min(times) if times else None
+    for row in rows:
+        acc = row["final_acc_mean"]
+        cells = [f"{row['optimizer']} ({' '.join(row['point']) or 'recipe'})", f"{acc:.3f}", f"{row['step_ms']:.1f}"]
+        for target in targets:
+            entry = row[f"{target:g}"]
+            if not entry["reached"]:
+                cells += [f"not in {row['budget_seconds']:.0f} s ({row['seeds']} seeds)", "-"]
+                continue
+            lo, hi = entry["seconds_range"]
+            share = "" if entry["reached"] == row["seeds"] else f", {entry['reached']}/{row['seeds']} seeds"
+            ratio = ""
+            if fastest[target] and row["optimizer"] not in FIRST_ORDER:
+                ratio = f" = {entry['seconds'] / fastest[target]:.2f}x"
+            cells += [f"{_s(entry['seconds'])} ({_s(lo)}-{_s(hi)}){ratio}{share}", f"{entry['epoch']:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _s(seconds: float) -> str:
+    return f"{seconds:.1f}" if seconds < 100 else f"{seconds:.0f}"
+
+
+def picture(chosen: dict[str, list[dict[str, Any]]], targets: list[float], path: Path, title: str) -> None:
+    """Validation accuracy against training seconds and against epochs, the mean over seeds of each optimizer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for name, runs in chosen.items():
+        n = min(len(r["history"]) for r in runs)  # the same evaluations in every seed's run
+        for ax, unit in zip(axes, ("seconds", "epoch"), strict=True):
+            x = [statistics.fmean(r["history"][i][unit] for r in runs) for i in range(n)]
+            y = [statistics.fmean(r["history"][i]["val_acc"] for r in runs) for i in range(n)]
+            ax.plot(x, y, marker=".", label=f"{name} ({len(runs)} seeds)")
+    low = min(min(h["val_acc"] for h in r["history"]) for runs in chosen.values() for r in runs)
+    for ax, unit in zip(axes, ("training seconds", "epochs"), strict=True):
+        for target in targets:
+            ax.axhline(target, color="grey", lw=0.6, ls="--")
+        ax.set_xlabel(unit)
+        ax.set_ylim(max(low, min(targets) - 0.08), None)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("validation accuracy")
+    axes[0].legend(loc="lower right")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Sweep, choose, repeat over seeds, summarize."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("recipe")
+    parser.add_argument("overrides", nargs="*", help="recipe overrides for every run (e.g. data.root=...)")
+    parser.add_argument("--optimizers", default="sgd,adamw,flow", help=f"of {', '.join(OPTIMIZERS)}")
+    parser.add_argument("--grid", action="append", default=[], metavar="NAME=KEY:V,V;KEY:V", help="a sweep")
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--eval-every", type=int, default=100, help="steps between evaluations")
+    parser.add_argument("--targets", default="0.9")
+    parser.add_argument("--out", type=Path, default=Path("runs/tta"))
+    args = parser.parse_args(argv)
+    names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
+    unknown = [n for n in names if n not in OPTIMIZERS]
+    if unknown:
+        raise SystemExit(f"--optimizers: unknown {unknown}; choose from {', '.join(OPTIMIZERS)}")
+    grids = dict(GRIDS)
+    for text in args.grid:
+        name, sep, grid = text.partition("=")
+        if not sep or name not in OPTIMIZERS:
+            raise SystemExit(f"--grid {text!r}: NAME=KEY:V,V with NAME one of {', '.join(OPTIMIZERS)}")
+        grids[name] = grid
+    seeds = [int(s) for s in args.seeds.split(",")]
+    targets = sorted(float(t) for t in args.targets.split(","))
+    common = [
+        *args.overrides,
+        f"train.epochs={args.epochs}",
+        "train.steps=0",
+        f"train.eval_every_steps={args.eval_every}",
+        "train.progress=false",
+        "train.save=false",
+    ]
+    everything: list[dict[str, Any]] = []
+    chosen: dict[str, list[dict[str, Any]]] = {}
+    for name in names:
+        print(f"{name}: sweep {grids[name]} (seed {seeds[0]})", flush=True)
+        sweep = []
+        for point in parse_grid(grids[name]):
+            folder = args.out / "runs" / name / point_name(point) / f"seed{seeds[0]}"
+            overrides = [*OPTIMIZERS[name], *common, *point, f"train.seed={seeds[0]}"]
+            sweep.append(record(name, point, seeds[0], train(args.recipe, overrides, folder)))
+            print(f"  {' '.join(point)}: val acc {sweep[-1]['val_acc']:.4f}", flush=True)
+        top = best(sweep)
+        chosen[name] = [top]
+        for seed in seeds[1:]:
+            folder = args.out / "runs" / name / point_name(top["point"]) / f"seed{seed}"
+            overrides = [*OPTIMIZERS[name], *common, *top["point"], f"train.seed={seed}"]
+            chosen[name].append(record(name, top["point"], seed, train(args.recipe, overrides, folder)))
+        everything += sweep + chosen[name][1:]
+    rows = summarize(chosen, targets)
+    table = markdown(rows, targets)
+    command = "python tools/tta.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    result = {
+        "command": command,
+        "recipe": args.recipe,
+        "epochs": args.epochs,
+        "seeds": seeds,
+        "targets": targets,
+        "cpus": os.cpu_count(),
+        "grids": {n: grids[n] for n in names},
+        "summary": rows,
+        "runs": everything,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "tta.json").write_text(json.dumps(result, indent=1))
+    (args.out / "tta.md").write_text(f"`{command}`\n\n{table}")
+    picture(chosen, targets, args.out / "tta.png", f"{Path(args.recipe).stem}, {args.epochs} epochs, mean over seeds")
+    print(table, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
