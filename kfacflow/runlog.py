@@ -49,6 +49,8 @@ class RunLog:
         self.timed_steps: list[int] = []
         """The run's step number of each of :attr:`timings` (a skipped step is not timed)."""
         self._written = 0
+        self._columns: tuple[str, ...] | None = None
+        """The columns of ``metrics.csv``: this version's, or those of the file an earlier version began."""
 
     def open(self, step: int, total: int, evaluated: bool = False) -> None:
         """Start TensorBoard and the bar; a resume from ``step`` first drops what an earlier life logged after it.
@@ -159,13 +161,14 @@ class RunLog:
             rundir.append_lines(self.run_dir / "metrics.jsonl", [json.dumps(record) + "\n"])
         elif kind == "csv":
             path = self.run_dir / "metrics.csv"
-            columns: tuple[str, ...] = METRICS
-            header = [",".join(METRICS) + "\n"]
-            if path.is_file() and path.stat().st_size:
-                # A file an earlier version began (a resume) keeps its columns: rows follow its header.
-                with open(path) as fh:
-                    columns, header = tuple(fh.readline().strip().split(",")), []
-            row = ",".join("" if record.get(k) is None else str(record[k]) for k in columns) + "\n"
+            header = []
+            if self._columns is None:  # once a process: a file an earlier version began keeps its columns
+                if path.is_file() and path.stat().st_size:
+                    with open(path) as fh:
+                        self._columns = tuple(fh.readline().strip().split(","))
+                else:
+                    self._columns, header = METRICS, [",".join(METRICS) + "\n"]
+            row = ",".join("" if record.get(k) is None else str(record[k]) for k in self._columns) + "\n"
             rundir.append_lines(path, [*header, row])
 
     def evaluation(self, record: dict[str, float]) -> None:

@@ -45,12 +45,6 @@ def conv_windows(module: nn.Conv2d, x: Tensor) -> Tensor:
     return windows.permute(0, 2, 3, 1, 4, 5)
 
 
-def conv_patches(module: nn.Conv2d, x: Tensor) -> Tensor:
-    """Return the input patches of ``module`` as ``(N, L, C_in*kh*kw)`` (``F.unfold``'s order, transposed)."""
-    w = conv_windows(module, x)
-    return w.reshape(w.shape[0], w.shape[1] * w.shape[2], -1)
-
-
 def _rows(a: Tensor, bias: bool) -> Tensor:
     """``a`` as a matrix of rows, with a ones column where the bias is preconditioned with the weight.
 

@@ -132,7 +132,7 @@ class KFACLayer:
     def layer_input(self, x: Tensor) -> Tensor:
         """Return the module input ``x`` as the weight sees it (TF-same convolutions pad it first).
 
-        A plain Conv2d's own padding is not applied here: ``conv_patches`` applies it.
+        A plain Conv2d's own padding is not applied here: ``factors.conv_windows`` applies it.
         """
         if not self._tf_same:
             return x

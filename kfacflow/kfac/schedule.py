@@ -72,8 +72,8 @@ class Schedule:
 
     def inverts(self) -> bool:
         """Whether this step inverts any factor."""
-        if self.turns:
-            return self.factors() or self.steps == 0
+        if self.turns:  # every factor update inverts a turn (the first step inverts everything)
+            return self.factors()
         return self._refresh or self.steps % self.cfg.inv_update_freq == 0
 
     def due(self, key: str) -> bool:
