@@ -48,6 +48,7 @@ CONFIGS: dict[str, dict[str, list[str]]] = {
         "MPD-KFAC": ["kfac.variant=mpd"],
         "SPD-KFAC": ["kfac.variant=spd"],
         "flow": ["kfac.variant=flow"],
+        "flow+rows": ["kfac.variant=flow", "kfac.precondition=rows"],
     },
     "table4": {
         "-Pipe-LBP": ["kfac.variant=d"],

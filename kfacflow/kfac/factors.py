@@ -45,7 +45,7 @@ def conv_windows(module: nn.Conv2d, x: Tensor) -> Tensor:
     return windows.permute(0, 2, 3, 1, 4, 5)
 
 
-def _rows(a: Tensor, bias: bool) -> Tensor:
+def row_matrix(a: Tensor, bias: bool) -> Tensor:
     """``a`` as a matrix of rows, with a ones column where the bias is preconditioned with the weight.
 
     ``a`` is ``(rows, width)`` or conv windows ``(N, H_out, W_out, C_in, kh, kw)`` (rows: the first three
@@ -75,9 +75,9 @@ class ExpandFactors:
         """
         bias = bias_preconditioned(module)
         if isinstance(module, nn.Conv2d):
-            a = _rows(self._conv_a(module, x), bias)
+            a = row_matrix(self._conv_a(module, x), bias)
         else:
-            a = _rows(x.reshape(-1, x.shape[-1]), bias)
+            a = row_matrix(x.reshape(-1, x.shape[-1]), bias)
         n = a.shape[0]
         if a.dtype.itemsize < 4:  # float16's 65504 would overflow in the sum: scale the rows first
             return a.T @ (a / n), n
@@ -92,7 +92,7 @@ class ExpandFactors:
         return (g.T @ g).mul_(batch)
 
     def _conv_a(self, module: nn.Conv2d, x: Tensor) -> Tensor:
-        """The patches, as windows ``(N, H_out, W_out, C_in, kh, kw)`` (``_rows`` copies them once)."""
+        """The patches, as windows ``(N, H_out, W_out, C_in, kh, kw)`` (``row_matrix`` copies them once)."""
         return conv_windows(module, x)
 
     def _conv_g(self, grad_out: Tensor) -> Tensor:

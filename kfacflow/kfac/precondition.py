@@ -1,12 +1,18 @@
-"""Stage *precondition*: ``G^-1 grad A^-1`` per layer, then KL clipping of the whole update."""
+"""Stage *precondition*: ``G^-1 grad A^-1`` per layer (from the gradient, or from its rows), then KL clipping."""
 
 from __future__ import annotations
+
+import logging
+import math
 
 import torch
 from torch import Tensor
 
 from kfacflow.kfac.inverse import Inverse
+from kfacflow.kfac.stages import LayerRows
 from kfacflow.registry import PRECONDITIONERS
+
+logger = logging.getLogger(__name__)
 
 
 def precondition(grad: Tensor, a_inv: Inverse, g_inv: Inverse) -> Tensor:
@@ -70,9 +76,13 @@ class KFACPrecondition:
         dots = [self.contribution(u, g) for u, g in zip(updates, grads, strict=True)] if self.clips else []
         return self.finish(updates, dots, lr)
 
-    def layer(self, grad: Tensor, a_inv: Inverse, g_inv: Inverse) -> Tensor:
-        """Return ``G^-1 grad A^-1`` of one layer."""
+    def layer(self, grad: Tensor, a_inv: Inverse, g_inv: Inverse, rows: LayerRows | None = None) -> Tensor:
+        """Return ``G^-1 grad A^-1`` of one layer (``rows``: never given to this stage)."""
         return precondition(grad, a_inv, g_inv)
+
+    def rows_pay(self, rows: int, a_dim: int, g_dim: int) -> bool:
+        """Whether a layer is preconditioned from its rows: never, here."""
+        return False
 
     def contribution(self, update: Tensor, grad: Tensor) -> Tensor:
         """Return the layer's ``v.g`` (float64)."""
@@ -87,4 +97,62 @@ class KFACPrecondition:
             return [u * scale.to(u.dtype) for u in updates]
 
 
+def full_flops(a_dim: int, g_dim: int) -> int:
+    """Flops of ``G^-1 grad A^-1`` from the ``(g, a)`` gradient: ``2ga(g + a)``."""
+    return 2 * g_dim * a_dim * (g_dim + a_dim)
+
+
+def row_flops(rows: int, a_dim: int, g_dim: int) -> int:
+    """Flops of ``(G^-1 D^T)(a A^-1)`` from ``rows`` rows: ``2N(a^2 + g^2 + ga)``."""
+    return 2 * rows * (a_dim * a_dim + g_dim * g_dim + g_dim * a_dim)
+
+
+class RowsPrecondition(KFACPrecondition):
+    """As ``kfac``, computed from the layer's rows where that takes at most half the flops (:mod:`~kfacflow.kfac.rows`).
+
+    The rows must give the gradient being preconditioned: ``D^T a / P`` is checked against it
+    (``2gNa`` flops and one read of the device a layer), to ``sqrt(eps)`` of the least precise dtype
+    either was computed in; where they differ (the gradients were changed between the backward pass
+    and the step, a rank had more rows than it could send) the layer is preconditioned from its
+    gradient, and a warning names it once.
+    """
+
+    SHARE = 0.5
+    """At most this share of the flops from the gradient, or the layer goes by its gradient."""
+
+    def __init__(self, kl_clip: float) -> None:
+        super().__init__(kl_clip)
+        self.warned: set[str] = set()
+
+    def rows_pay(self, rows: int, a_dim: int, g_dim: int) -> bool:
+        """Whether ``rows`` rows a step (over every rank) cost at most :attr:`SHARE` of preconditioning the gradient."""
+        return row_flops(rows, a_dim, g_dim) <= self.SHARE * full_flops(a_dim, g_dim)
+
+    def layer(self, grad: Tensor, a_inv: Inverse, g_inv: Inverse, rows: LayerRows | None = None) -> Tensor:
+        """Return ``G^-1 grad A^-1``, from ``rows`` where they give ``grad``."""
+        if rows is None:
+            return precondition(grad, a_inv, g_inv)
+        target = grad.to(rows.a.dtype)
+        error = torch.linalg.matrix_norm(rows.delta.T @ rows.a / rows.world - target)
+        bound = math.sqrt(max(rows.eps, torch.finfo(grad.dtype).eps)) * torch.linalg.matrix_norm(target)
+        if not bool((error <= bound) & rows.complete):  # NaN compares false: a non-finite gradient goes the usual way
+            if rows.name not in self.warned:
+                self.warned.add(rows.name)
+                logger.warning(
+                    "kfac.precondition=rows: the rows of %s do not give its gradient (it was changed after the "
+                    "backward pass, or a rank had more rows than on the first step): preconditioned from its "
+                    "gradient this step",
+                    rows.name,
+                )
+            return precondition(grad, a_inv, g_inv)
+        left = g_inv.left(rows.delta.T.to(g_inv.tensors[0].dtype))
+        right = a_inv.right(rows.a.to(a_inv.tensors[0].dtype))
+        return (left @ right).div_(rows.world).to(grad.dtype)
+
+
 PRECONDITIONERS.add("kfac", KFACPrecondition, "G^-1 grad A^-1 per layer, then KL clipping of the update")
+PRECONDITIONERS.add(
+    "rows",
+    RowsPrecondition,
+    "as kfac, from each layer's rows (input patches and output gradients) where that takes half the flops or less",
+)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ from kfacflow.kfac.layers import KFACLayer, find_layers
 from kfacflow.kfac.packing import unpack
 from kfacflow.kfac.plan import EngineCaps, make_plan
 from kfacflow.kfac.routes import describe, place
+from kfacflow.kfac.rows import RowCapture
 from kfacflow.kfac.schedule import Schedule
 from kfacflow.kfac.stages import EVERY_RANK, FactorSlot
 from kfacflow.kfac.strategies import Gradients, Sent, StageSet, choice_of
@@ -42,6 +43,11 @@ def dtypes(cfg: KFACConfig, parameters: torch.dtype) -> tuple[torch.dtype, torch
     if cfg.inverse_dtype == "auto":
         return factor, torch.promote_types(factor, torch.float32)
     return factor, getattr(torch, cfg.inverse_dtype)
+
+
+def _rows_pay(stages: StageSet) -> Callable[[int, int, int], bool]:
+    """The precondition stage's ``rows_pay``; a stage written before rows existed never takes them."""
+    return getattr(stages.precondition, "rows_pay", lambda rows, a_dim, g_dim: False)
 
 
 class Preconditioner:
@@ -97,6 +103,7 @@ class Preconditioner:
         self.comm = Communicator(backend, stages.fusion, self.timer)
         self.capture = Capture(self.layers, stages.factor, self.comm.push, self.timer, accumulate, self.factor_dtype)
         self.batch_dim = batch_dim
+        self.rows = RowCapture(self.layers, backend, _rows_pay(stages), self.inverse_dtype, self.capture, self.timer)
         self.hooks = ForwardHooks(model, self, backend.device)
         self.schedule = Schedule(cfg)
         self.running: dict[str, Tensor] = {}
@@ -117,6 +124,7 @@ class Preconditioner:
         """
         self.running = self.stages.factor_sync.every_average(self)
         self.stages = stages
+        self.rows.pays = _rows_pay(stages)
         self.profile = profile or self.profile
         self._restart()
 
@@ -206,7 +214,9 @@ class Preconditioner:
                 launched once the factors are, waited for to precondition.
         """
         self.finite.warn()  # the last step's factors: the device finished them long ago
-        sent = self.stages.pipeline.run(self, self._arrivals(gradients), self.schedule.inverts())
+        arrivals = self._arrivals(gradients)
+        self.rows.post(self.layers)  # behind the factors on the link
+        sent = self.stages.pipeline.run(self, arrivals, self.schedule.inverts())
         self._precondition(lr, sent, gradients)
         self.finite.copy()
         self._next_step()
@@ -226,6 +236,7 @@ class Preconditioner:
         self.capture.active = self.schedule.factors()
 
     def _next_step(self, refreshed: bool = True) -> None:
+        self.rows.reset()
         self.schedule.advance(refreshed)
         self.capture.active = self.schedule.factors()
 
@@ -302,7 +313,9 @@ class Preconditioner:
         """Return one layer's update from its gradient matrix and its two inverses (timed per layer)."""
         t0 = self.timer.now()
         a_inv, g_inv = self.inverses[f"{layer.name}/A"], self.inverses[f"{layer.name}/G"]
-        update = self.stages.precondition.layer(grad, a_inv, g_inv)
+        rows = self.rows.get(layer.name)
+        stage = self.stages.precondition
+        update = stage.layer(grad, a_inv, g_inv) if rows is None else stage.layer(grad, a_inv, g_inv, rows)
         self.timer.record(layer.name, "precondition", t0, self.timer.now())
         return update
 
@@ -347,5 +360,6 @@ class Preconditioner:
     def remove(self) -> None:
         """Remove the hooks (another preconditioner may then take the model)."""
         self.capture.remove()
+        self.rows.remove()
         self.hooks.remove()
         self.claims.release()

@@ -237,11 +237,37 @@ class InverseMethod(Protocol):
         ...
 
 
+@dataclass
+class LayerRows:
+    """Every rank's rows of one layer, stacked: ``grad = delta^T a / world`` (:mod:`~kfacflow.kfac.rows`).
+
+    Zero rows pad a rank's share: they add nothing to ``delta^T a``.
+    """
+
+    name: str
+    delta: Tensor
+    """``(N, g_dim)`` output gradients."""
+    a: Tensor
+    """``(N, a_dim)`` input patches (with the ones column of a preconditioned bias)."""
+    world: int
+    eps: float
+    """Machine epsilon of the least precise dtype the rows or the gradient were computed in (for the check)."""
+    complete: Tensor | bool = True
+    """False where a rank had more rows than it may send (they cannot give the gradient); a tensor on the device."""
+
+
 class PreconditionStage(Protocol):
     """Stage *precondition*: the update of every layer from its gradient and its two inverses."""
 
-    def layer(self, grad: Tensor, a_inv: Inverse, g_inv: Inverse) -> Tensor:
-        """Return one layer's update direction (``(g_dim, a_dim)``)."""
+    def layer(self, grad: Tensor, a_inv: Inverse, g_inv: Inverse, rows: LayerRows | None = None) -> Tensor:
+        """Return one layer's update direction (``(g_dim, a_dim)``); ``rows``: its rows, where :meth:`rows_pay`."""
+        ...
+
+    def rows_pay(self, rows: int, a_dim: int, g_dim: int) -> bool:
+        """Whether a layer of ``rows`` rows a step (all ranks) is preconditioned from them (:mod:`.rows`).
+
+        Optional: a stage without it is never given rows (:meth:`layer` is then called with three arguments).
+        """
         ...
 
     clips: bool

@@ -1,0 +1,199 @@
+"""A layer's gradient as its rows: each output position's input patch and output gradient, gathered from every rank.
+
+A Linear or Conv2d weight gradient is a sum of outer products, ``grad = D^T a`` over its ``n``
+rows (``a``: the layer input as the weight sees it, a patch per output position, with the ones
+column of a preconditioned bias; ``D``: the gradient of the loss w.r.t. the output at the same
+positions), and the averaged gradient over ``P`` ranks is ``(1/P) D_all^T a_all`` of every rank's
+rows stacked. So ``G^-1 grad A^-1 = (1/P) (G^-1 D_all^T)(a_all A^-1)``: ``2N(a^2 + g^2 + ga)``
+flops instead of ``2ga(g + a)``, far less where the rows of a step (``N``: examples times
+positions times ranks) are fewer than the layer is wide, as in a ResNet's deep layers on small
+images (:class:`~kfacflow.kfac.precondition.RowsPrecondition`, ``kfac.precondition=rows``).
+
+:class:`RowCapture` keeps the rows of the layers the precondition stage takes from rows
+(``rows_pay``) on every training step and sends them to every rank once the step's factors are
+on their way: the input patches copied once from a strided view of the layer's input in the forward
+pass, the output gradients (unscaled as the factors' are, under mixed precision) in the backward pass. On the first
+step it only counts each layer's rows per rank, and one small all-reduce makes every rank agree on
+which layers go by rows and how many rows each rank sends (the most any rank had): a rank with
+fewer sends zero rows, which add nothing to ``D^T a``; one with more cannot send them all, and the
+stage's check (its rows must give the gradient) falls back to the gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from kfacflow.comm.base import Backend, Handle
+from kfacflow.kfac.factors import conv_windows, row_matrix
+from kfacflow.kfac.layers import KFACLayer, bias_preconditioned
+from kfacflow.kfac.stages import LayerRows
+from kfacflow.timing import StepTimer
+
+if TYPE_CHECKING:
+    from kfacflow.kfac.capture import Capture
+
+
+@dataclass
+class _Rows:
+    a: list[Tensor] = field(default_factory=list)
+    delta: list[Tensor] = field(default_factory=list)
+    count: int = 0
+    eps: float = 0.0
+
+
+class RowCapture:
+    """Keeps each chosen layer's rows of the current step and sends them to every rank (:meth:`post`).
+
+    Args:
+        layers: The layers K-FAC preconditions.
+        backend: The engine (the rows travel on its K-FAC group).
+        pays: ``pays(rows, a_dim, g_dim)``: whether a layer with ``rows`` rows a step, over every rank, goes by rows.
+        dtype: What the rows are kept in (the inverses' dtype: where they are applied).
+        capture: The factor capture (training calls, the loss scale of the backward pass).
+        timer: Stage times.
+    """
+
+    def __init__(
+        self,
+        layers: list[KFACLayer],
+        backend: Backend,
+        pays: Callable[[int, int, int], bool],
+        dtype: torch.dtype,
+        capture: Capture,
+        timer: StepTimer,
+    ) -> None:
+        self.backend, self.pays, self.dtype, self.capture, self.timer = backend, pays, dtype, capture, timer
+        self.planned: dict[str, int] | None = None
+        """Rows each rank sends per chosen layer (agreed on the first step); ``None`` before."""
+        self.step: dict[str, _Rows] = {}
+        self.posted: dict[str, tuple[Handle | None, Tensor, KFACLayer, float]] = {}
+        self.arrived: dict[str, LayerRows] = {}
+        self._hooks: list[RemovableHandle] = []
+        for layer in layers:
+            self._hooks.append(layer.module.register_forward_pre_hook(self._a_hook(layer), with_kwargs=True))
+            self._hooks.append(layer.module.register_forward_hook(self._delta_hook(layer), with_kwargs=True))
+
+    def chosen(self, name: str) -> bool:
+        """Whether the layer ``name`` goes by rows."""
+        return self.planned is not None and name in self.planned
+
+    def _a_hook(self, layer: KFACLayer) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if not (self.chosen(layer.name) and module.training and torch.is_grad_enabled()):
+                return
+            x = args[0] if args else kwargs.get("input")
+            if not isinstance(x, Tensor):
+                return
+            with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+                x = layer.layer_input(x.detach())
+                windows = conv_windows(module, x) if isinstance(module, nn.Conv2d) else x.reshape(-1, x.shape[-1])
+                rows = self.step.setdefault(layer.name, _Rows())
+                rows.a.append(row_matrix(windows.to(self.dtype), bias_preconditioned(module)))
+                rows.eps = max(rows.eps, torch.finfo(x.dtype).eps)
+
+        return hook
+
+    def _delta_hook(self, layer: KFACLayer) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            if not (module.training and torch.is_grad_enabled() and isinstance(output, Tensor)):
+                return
+            if self.planned is None:  # the first step counts the rows
+                rows = self.step.setdefault(layer.name, _Rows())
+                rows.count += output.numel() // output.shape[1 if isinstance(module, nn.Conv2d) else -1]
+                return
+            if not self.chosen(layer.name) or not output.requires_grad:
+                return
+            rows = self.step.setdefault(layer.name, _Rows())
+
+            def grad_hook(grad: Tensor) -> None:
+                with torch.no_grad():
+                    wide = torch.promote_types(grad.dtype, self.dtype)
+                    d = grad.to(wide)
+                    if isinstance(self.capture.grad_scale, Tensor):  # a power of two: exact
+                        d = d / self.capture.grad_scale.to(wide)
+                    d = d.flatten(2).transpose(1, 2) if isinstance(module, nn.Conv2d) else d
+                    rows.delta.append(d.reshape(-1, d.shape[-1]).to(self.dtype))
+                    rows.eps = max(rows.eps, torch.finfo(grad.dtype).eps)
+
+            output.register_hook(grad_hook)
+
+        return hook
+
+    def post(self, layers: list[KFACLayer]) -> None:
+        """Send this step's rows of the chosen layers to every rank (on the first step: agree which layers they are)."""
+        if self.planned is None:
+            self._plan(layers)
+            return
+        world, rank = self.backend.world_size, self.backend.rank
+        with torch.no_grad():
+            for layer in layers:
+                if layer.name not in self.planned:
+                    continue
+                rows, n, width = self.step.get(layer.name, _Rows()), self.planned[layer.name], layer.g_dim + layer.a_dim
+                flat = torch.zeros(world, n + 1, width, dtype=self.dtype, device=self.backend.device)
+                eps = max(rows.eps, torch.finfo(self.dtype).eps)
+                if rows.a and len(rows.a) == len(rows.delta):  # every call's output gradient came back
+                    a, delta = torch.cat(rows.a), torch.cat(rows.delta)
+                    k = min(n, a.shape[0])
+                    flat[rank, :k, : layer.g_dim].copy_(delta[:k])
+                    flat[rank, :k, layer.g_dim :].copy_(a[:k])
+                    flat[rank, n, 0] = float(a.shape[0] > n)  # the last row says: cut off, every rank learns it
+                handle = None
+                if world > 1:
+                    with self.timer.span("GradComm"):
+                        handle = self.backend.allreduce_async(flat)  # x + 0 == x: every rank's own bits
+                self.posted[layer.name] = (handle, flat, layer, eps)
+
+    def _plan(self, layers: list[KFACLayer]) -> None:
+        """Agree, from this first step's row counts, on the layers that go by rows and each rank's share."""
+        world, rank = self.backend.world_size, self.backend.rank
+        if not any(self.pays(world, layer.a_dim, layer.g_dim) for layer in layers):  # none ever would
+            self.planned = {}
+            return
+        counts = torch.zeros(world, len(layers), dtype=torch.float64, device=self.backend.device)
+        counts[rank] = torch.tensor([float(self.step.get(x.name, _Rows()).count) for x in layers], dtype=torch.float64)
+        if world > 1:
+            self.backend.allreduce_async(counts).wait()
+        most = counts.max(dim=0).values.tolist()
+        uses = self.capture.uses or {}  # a layer called twice a pass: its calls' rows would not pair up in order
+        self.planned = {
+            layer.name: int(n)
+            for layer, n in zip(layers, most, strict=True)
+            if n > 0 and uses.get(layer.name, 1) == 1 and self.pays(int(n) * world, layer.a_dim, layer.g_dim)
+        }
+
+    def get(self, name: str) -> LayerRows | None:
+        """The layer's rows from every rank (waiting for them), or ``None`` where it does not go by rows this step."""
+        if name in self.arrived:
+            return self.arrived[name]
+        if name not in self.posted:
+            return None
+        handle, flat, layer, eps = self.posted.pop(name)
+        if handle is not None:
+            with self.timer.span("GradComm"):
+                handle.wait()
+        complete = flat[:, -1, 0].sum() == 0  # read with the stage's check: one wait for the device
+        stacked = flat[:, :-1].reshape(-1, flat.shape[-1])
+        self.arrived[name] = LayerRows(
+            name, stacked[:, : layer.g_dim], stacked[:, layer.g_dim :], flat.shape[0], eps, complete
+        )
+        return self.arrived[name]
+
+    def reset(self) -> None:
+        """Forget the step's rows (every posted collective is complete first: its buffer stays alive until then)."""
+        for handle, *_ in self.posted.values():
+            if handle is not None:
+                handle.wait()
+        self.step, self.posted, self.arrived = {}, {}, {}
+
+    def remove(self) -> None:
+        """Remove the hooks."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
