@@ -21,6 +21,7 @@ stage's check (its rows must give the gradient) falls back to the gradient.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,8 @@ from kfacflow.timing import StepTimer
 
 if TYPE_CHECKING:
     from kfacflow.kfac.capture import Capture
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -167,6 +170,12 @@ class RowCapture:
             for layer, n in zip(layers, most, strict=True)
             if n > 0 and uses.get(layer.name, 1) == 1 and self.pays(int(n) * world, layer.a_dim, layer.g_dim)
         }
+        logger.info(
+            "kfac.precondition: %d of %d layers preconditioned from their rows%s",
+            len(self.planned),
+            len(layers),
+            f": {', '.join(self.planned)}" if self.planned else " (none has fewer rows a step than it is wide)",
+        )
 
     def get(self, name: str) -> LayerRows | None:
         """The layer's rows from every rank (waiting for them), or ``None`` where it does not go by rows this step."""
