@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from kfacflow.comm.base import Backend, Handle
+from kfacflow.kfac.capture import _full_precision, _input
 from kfacflow.kfac.factors import conv_windows, row_matrix
 from kfacflow.kfac.layers import KFACLayer, bias_preconditioned
 from kfacflow.kfac.stages import LayerRows
@@ -90,10 +91,10 @@ class RowCapture:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if not (self.chosen(layer.name) and module.training and torch.is_grad_enabled()):
                 return
-            x = args[0] if args else kwargs.get("input")
-            if not isinstance(x, Tensor):
+            x = _input(args, kwargs)
+            if x is None:
                 return
-            with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+            with torch.no_grad(), _full_precision(x):
                 x = layer.layer_input(x.detach())
                 windows = conv_windows(module, x) if isinstance(module, nn.Conv2d) else x.reshape(-1, x.shape[-1])
                 rows = self.step.setdefault(layer.name, _Rows())
@@ -158,6 +159,7 @@ class RowCapture:
         world, rank = self.backend.world_size, self.backend.rank
         if not any(self.pays(world, layer.a_dim, layer.g_dim) for layer in layers):  # none ever would
             self.planned = {}
+            self.remove()  # no hook need run on any forward pass again
             return
         counts = torch.zeros(world, len(layers), dtype=torch.float64, device=self.backend.device)
         counts[rank] = torch.tensor([float(self.step.get(x.name, _Rows()).count) for x in layers], dtype=torch.float64)
