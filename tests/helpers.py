@@ -17,15 +17,28 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from kfacflow.comm.torch_dist import TorchBackend
 from kfacflow.config import DistConfig
 
 if TYPE_CHECKING:
+    from kfacflow.kfac.preconditioner import Preconditioner
     from kfacflow.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = str(ROOT / "recipes" / "quickstart.yaml")
+
+
+def kfac_sgd_step(net: nn.Module, pre: Preconditioner, opt: torch.optim.Optimizer, x: Tensor, y: Tensor) -> None:
+    """One training step as a library user writes it: forward, ``end_forward``, backward, precondition, SGD."""
+    out = net(x)
+    pre.end_forward()
+    F.cross_entropy(out, y).backward()
+    pre.step(lr=0.1)
+    opt.step()
+    opt.zero_grad()
 
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:

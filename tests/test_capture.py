@@ -14,7 +14,10 @@ from torch.utils.checkpoint import checkpoint
 from kfacflow import UserError, build
 from kfacflow.comm.torch_dist import TorchBackend
 from kfacflow.config import KFACConfig
+from kfacflow.kfac import factors
+from kfacflow.kfac.factors import ExpandFactors
 from kfacflow.kfac.preconditioner import Preconditioner
+from kfacflow.registry import FACTORS
 
 DT = torch.float64
 
@@ -153,3 +156,54 @@ def test_activation_checkpointing_is_an_error_not_a_mismatch(backend: TorchBacke
     x = torch.randn(4, 3, dtype=DT, requires_grad=True)
     with pytest.raises(UserError, match=r"'fc' ran a forward pass after the last one.*checkpointing"):
         _step(model, pre, x, torch.tensor([0, 1, 0, 1]))
+
+
+class FullMatrices:
+    """A factor stage with only the protocol's full-matrix methods: capture packs what it returns."""
+
+    calls = 0
+
+    def __init__(self) -> None:
+        self.shipped = ExpandFactors()
+
+    def a_factor_rows(self, module: nn.Module, x: Tensor) -> tuple[Tensor, int]:
+        FullMatrices.calls += 1
+        return self.shipped.a_factor_rows(module, x)
+
+    def g_factor(self, module: nn.Module, grad_out: Tensor, batch: int) -> Tensor:
+        FullMatrices.calls += 1
+        return self.shipped.g_factor(module, grad_out, batch)
+
+
+class DoubledA(ExpandFactors):
+    """The shipped stage with ``a_factor_rows`` overridden alone: its own A must be used, not the parent's triangle."""
+
+    def a_factor_rows(self, module: nn.Module, x: Tensor) -> tuple[Tensor, int]:
+        factor, rows = super().a_factor_rows(module, x)
+        return 2 * factor, rows
+
+
+if "full_matrices" not in FACTORS:
+    FACTORS.add("full_matrices", FullMatrices, "full matrices only (a test's own factor stage)")
+    FACTORS.add("doubled_a", DoubledA, "the shipped stage, A doubled by an override (a test's own)")
+
+
+def test_a_factor_stage_of_full_matrices_gives_the_shipped_factors(
+    backend: TorchBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(factors, "GRAM_BLOCK", 4)  # the shipped stage computes triangles in block rows
+    monkeypatch.setattr(FullMatrices, "calls", 0)
+    got = {}
+    for name in ("expand", "full_matrices", "doubled_a"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(12, 3)).to(DT)
+        pre = _pre(backend, model, factor=name)
+        x = torch.randn(4, 2, 4, 4, dtype=DT, generator=torch.Generator().manual_seed(1))
+        _step(model, pre, x, torch.tensor([0, 1, 2, 1]))
+        got[name] = dict(pre.factors)
+    assert FullMatrices.calls == 4  # A and G of both layers went through the full-matrix methods
+    # (and DoubledA's G through the inherited triangle, its A through its own override: below)
+    assert got["expand"].keys() == got["full_matrices"].keys() == {"0/A", "0/G", "3/A", "3/G"}
+    for key, want in got["expand"].items():
+        torch.testing.assert_close(got["full_matrices"][key], want, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(got["doubled_a"][key], 2 * want if key.endswith("/A") else want)

@@ -11,13 +11,21 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kfacflow import UserError
-from kfacflow.kfac.factors import ExpandFactors, ReduceFactors
+from kfacflow.kfac import factors
+from kfacflow.kfac.factors import ExpandFactors, ReduceFactors, gram_blocks, gram_packed
 from kfacflow.kfac.layers import KFACLayer, find_layers
 from kfacflow.kfac.packing import pack, pack_lower, packed_size, unpack, unpack_lower
 
 DT = torch.float64
 
 pytestmark = pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel:UserWarning")
+
+
+@pytest.fixture(autouse=True, params=["one block", "3-wide blocks"])
+def block(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every factor here by hand twice: one product, and the upper triangle in block rows of 3."""
+    if request.param == "3-wide blocks":
+        monkeypatch.setattr(factors, "GRAM_BLOCK", 3)
 
 
 def close(got: Tensor, want: Tensor, rtol: float = 1e-10, atol: float = 1e-12) -> None:
@@ -135,6 +143,22 @@ def test_pack_unpack_roundtrip(d: int) -> None:
     assert p.shape == (packed_size(d),)
     assert torch.equal(unpack(p, d), m)
     assert torch.equal(pack(unpack(p, d)), p)
+
+
+@pytest.mark.parametrize("width", [1, 2, 5, 9, 25, 40])
+def test_gram_packed_is_the_packed_product(width: int) -> None:
+    g = torch.Generator().manual_seed(width)
+    a = torch.randn(7, width, dtype=DT, generator=g)
+    right = a / 7
+    for got, want in [(gram_packed(a), a.T @ a), (gram_packed(a, right), a.T @ right)]:
+        close(got, pack(want))
+    blocks = gram_blocks(width)
+    assert blocks == (1 if factors.GRAM_BLOCK > width else min(8, -(-width // 3)))
+
+
+def test_gram_blocks_by_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(factors, "GRAM_BLOCK", 128)
+    assert [gram_blocks(w) for w in (1, 128, 129, 145, 384, 1024, 4608)] == [1, 1, 2, 2, 3, 8, 8]
 
 
 def test_pack_lower_column_major_lower() -> None:

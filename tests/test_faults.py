@@ -201,8 +201,8 @@ def test_a_killed_worker_ends_the_job_without_a_hang(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("nproc", "sig"), [(2, signal.SIGTERM), (1, signal.SIGINT)])
 def test_signal_writes_a_checkpoint_and_resume_equals_uninterrupted(tmp_path: Path, nproc: int, sig: int) -> None:
     common = [
-        "train.steps=400",
-        "train.checkpoint_every=100",
+        "train.steps=200",
+        "train.checkpoint_every=50",
         "train.dtype=float64",
         "data.batch_size=16",
         f"launch.nproc={nproc}",
@@ -218,7 +218,7 @@ def test_signal_writes_a_checkpoint_and_resume_equals_uninterrupted(tmp_path: Pa
     assert f"stopped by {signal.Signals(sig).name}" in err and f"resume={run_dir}" in err
     summary = json.loads((run_dir / "summary.json").read_text())
     stopped_at = summary["steps"]
-    assert 0 < stopped_at < 400 and summary["stopped_by"] == signal.Signals(sig).name
+    assert 0 < stopped_at < 200 and summary["stopped_by"] == signal.Signals(sig).name
     assert (run_dir / "checkpoints" / f"step_{stopped_at:08d}.pt").is_file()
 
     resumed = subprocess.run(
@@ -244,9 +244,9 @@ def test_signal_writes_a_checkpoint_and_resume_equals_uninterrupted(tmp_path: Pa
         timeout=300,
     )
     assert straight.returncode == 0, straight.stderr[-3000:]
-    final = torch.load(run_dir / "checkpoints" / "step_00000400.pt", weights_only=False)["model"]
+    final = torch.load(run_dir / "checkpoints" / "step_00000200.pt", weights_only=False)["model"]
     (ref_dir,) = (tmp_path / "straight" / "quickstart").iterdir()
-    ref = torch.load(ref_dir / "checkpoints" / "step_00000400.pt", weights_only=False)["model"]
+    ref = torch.load(ref_dir / "checkpoints" / "step_00000200.pt", weights_only=False)["model"]
     for key in ref:
         torch.testing.assert_close(final[key], ref[key], rtol=1e-10, atol=1e-12)
 

@@ -7,8 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
-from helpers import local_backend, run_in_gloo
+from helpers import kfac_sgd_step, local_backend, run_in_gloo
 from torch import nn
 
 from kfacflow import build
@@ -133,12 +132,7 @@ def _train(backend: TorchBackend, precondition_name: str, variant: dict[str, Any
             # send all its rows, and the layers go by their gradients this step.
             size = {"even": BATCH, "short": 2, "long": BATCH + 2}[batch]
         x, y = x[backend.rank * BATCH :][:size], y[backend.rank * BATCH :][:size]
-        out = net(x)
-        pre.end_forward()
-        F.cross_entropy(out, y).backward()
-        pre.step(lr=0.1)
-        opt.step()
-        opt.zero_grad()
+        kfac_sgd_step(net, pre, opt, x, y)
     pre.remove()
     warned: set[str] = getattr(pre.stages.precondition, "warned", set())
     params = [p.detach().clone() for p in model.parameters()]

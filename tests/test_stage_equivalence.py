@@ -24,7 +24,7 @@ from kfacflow.registry import GRAD_SYNCS, INVERSES, PLACEMENTS
 FUSIONS = registry.FUSIONS.names()
 PLACES = PLACEMENTS.names()
 INVS = INVERSES.names()
-STEPS = 10
+STEPS = 6
 BATCH = 6
 
 # Factor sides of the model below: conv A 10, G 4; fc1 A 65, G 6; fc2 A 7, G 3. With an inverse

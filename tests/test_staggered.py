@@ -6,8 +6,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
-from helpers import run_in_gloo
+from helpers import kfac_sgd_step, run_in_gloo
 from test_stage_equivalence import batches, make_model
 
 from kfacflow import build
@@ -65,12 +64,7 @@ def _run(backend: TorchBackend, variant: dict[str, Any], schedule: Any) -> dict[
     dims = {slot.key: slot.dim for slot in pre.slots}
     steps = []
     for x, y in batches(backend.world_size, backend.rank, STEPS):
-        out = net(x)
-        pre.end_forward()
-        F.cross_entropy(out, y).backward()
-        pre.step(lr=0.1)
-        opt.step()
-        opt.zero_grad()
+        kfac_sgd_step(net, pre, opt, x, y)
         state = pre.state_dict()  # collective: every rank's inverses, where owners alone hold them
         steps.append({
             "factors": {k: unpack(v, dims[k]).clone() for k, v in state["factors"].items()},

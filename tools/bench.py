@@ -5,6 +5,7 @@
     python tools/bench.py recipes/resnet50_spd.yaml --ablation table4 --cluster    # +-pipelining, +-LBP (Fig. 13)
     python tools/bench.py recipes/resnet50_spd.yaml --ablation fig10 --cluster     # fusion policies (Fig. 10)
     python tools/bench.py recipes/resnet18_synthetic.yaml --ablation flow --cluster  # SPD to flow, one option at a time
+    python tools/bench.py recipes/resnet18_synthetic.yaml --ablation rare --intervals 10/100 --cluster  # 10/100 options
     python tools/bench.py recipes/resnet18_synthetic.yaml --intervals 1/10 --cluster   # inverses every 10 steps
 
 Each configuration runs ``--steps`` steps; the first ``--warmup`` (which must cover the optimal
@@ -69,6 +70,12 @@ CONFIGS: dict[str, dict[str, list[str]]] = {
         "+split": ["kfac.variant=flow", "kfac.factor_sync=allreduce"],
         "+owner": ["kfac.variant=flow"],
         "layerwise": ["kfac.variant=flow", "kfac.fusion=layerwise"],
+    },
+    "rare": {  # inverting rarely (--intervals 10/100): what the steps between inversions are worth sending
+        "sgd": ["kfac.variant=sgd"],
+        "flow+rows": ["kfac.variant=flow", "kfac.precondition=rows"],
+        "+overlap": ["kfac.variant=flow", "kfac.precondition=rows", "kfac.grad_sync=overlap"],
+        "+packed": ["kfac.variant=flow", "kfac.precondition=rows", "kfac.grad_sync=overlap", "kfac.broadcast=packed"],
     },
     "fig10": {
         "Naive": ["kfac.variant=spd", "kfac.fusion=naive"],
@@ -210,6 +217,7 @@ def table(results: dict[str, dict[str, Any]], ablation: str) -> str:
         "table4": ("-Pipe-LBP", None),
         "fig10": ("Naive", None),
         "flow": ("SPD-KFAC", None),
+        "rare": ("flow+rows", None),
     }[ablation]
     head = f"{'config':<12} {'s/step':>8} {'inside':>8} {'outside':>8} {'gap':>6} "
     lines = [head + " ".join(f"{c:>11}" for c in CATEGORIES)]

@@ -166,7 +166,7 @@ def markdown(rows: list[dict[str, Any]], targets: list[float]) -> str:
         for target in targets:
             entry = row[f"{target:g}"]
             if not entry["reached"]:
-                cells += [f"not in {row['budget_seconds']:.0f} s ({row['seeds']} seeds)", "-"]
+                cells += [f"not in {row['budget_seconds']:.0f} s ({_seeds(row['seeds'])})", "-"]
                 continue
             lo, hi = entry["seconds_range"]
             share = "" if entry["reached"] == row["seeds"] else f", {entry['reached']}/{row['seeds']} seeds"
@@ -176,6 +176,10 @@ def markdown(rows: list[dict[str, Any]], targets: list[float]) -> str:
             cells += [f"{_s(entry['seconds'])} ({_s(lo)}-{_s(hi)}){ratio}{share}", f"{entry['epoch']:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _seeds(n: int) -> str:
+    return f"{n} seed" if n == 1 else f"{n} seeds"
 
 
 def _s(seconds: float) -> str:
@@ -195,7 +199,7 @@ def picture(chosen: dict[str, list[dict[str, Any]]], targets: list[float], path:
         for ax, unit in zip(axes, ("seconds", "epoch"), strict=True):
             x = [statistics.fmean(r["history"][i][unit] for r in runs) for i in range(n)]
             y = [statistics.fmean(r["history"][i]["val_acc"] for r in runs) for i in range(n)]
-            ax.plot(x, y, marker=".", label=f"{name} ({len(runs)} seeds)")
+            ax.plot(x, y, marker=".", label=f"{name} ({_seeds(len(runs))})")
     low = min(min(h["val_acc"] for h in r["history"]) for runs in chosen.values() for r in runs)
     for ax, unit in zip(axes, ("training seconds", "epochs"), strict=True):
         for target in targets:

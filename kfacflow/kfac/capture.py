@@ -61,6 +61,30 @@ class _Sum:
         self.parts += 1
 
 
+def unscaled(grad: Tensor, scale: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """``grad`` without the loss scale ``scale`` (``None``: not scaled), in ``dtype``.
+
+    Unscaled first, in at least float32, then cast: a scaled gradient cast to float16 first
+    overflows (65504 is float16's largest number), and the factor is then never averaged in.
+    A loss scale is a power of two, so the division itself is exact.
+    """
+    if not isinstance(scale, Tensor):
+        return grad.to(dtype)
+    wide = torch.promote_types(grad.dtype, torch.float32)
+    return (grad.to(wide) / scale.to(wide)).to(dtype)
+
+
+def _offers(stage: object, packed: str, full: str) -> bool:
+    """Whether ``stage``'s ``packed`` method gives what its ``full`` one does.
+
+    Only where ``packed`` is defined at least as far down the class tree as ``full``: a subclass of a
+    shipped stage that overrides ``a_factor_rows`` alone must not have its factor replaced by the
+    inherited triangle of the parent's.
+    """
+    packed_owner, full_owner = (next((c for c in type(stage).__mro__ if n in vars(c)), None) for n in (packed, full))
+    return packed_owner is not None and full_owner is not None and issubclass(packed_owner, full_owner)
+
+
 @dataclass
 class _LayerCapture:
     """One layer's factors of the current step, while its calls come in."""
@@ -132,6 +156,11 @@ class Capture:
         self.grad_scale: Tensor | None = None
         """The loss scale of this step's backward pass (fp16 mixed precision): G is of the unscaled gradients."""
         self.factors = factors
+        self._triangles = (
+            _offers(factors, "a_factor_packed", "a_factor_rows"),
+            _offers(factors, "g_factor_packed", "g_factor"),
+        )
+        """Whether the stage computes A's and G's packed triangles itself."""
         self.push = push
         self.timer = timer
         self.accumulate = accumulate
@@ -197,8 +226,7 @@ class Capture:
                     f"(add {layer.name!r} to kfac.skip)."
                 )
             with torch.no_grad(), _full_precision(x), self.timer.span("FactorComp", f"{layer.name}/A", "factor"):
-                factor, rows = self.factors.a_factor_rows(module, layer.layer_input(x.to(self.dtype)))
-                packed = pack(factor)
+                packed, rows = self._a_packed(module, layer.layer_input(x.to(self.dtype)))
             if cap.a is None:
                 cap.a = _Sum(packed, float(rows))
             else:
@@ -227,7 +255,7 @@ class Capture:
                 if layer.name not in self._g_order:
                     self._g_order.append(layer.name)
                 with torch.no_grad(), _full_precision(grad), self.timer.span("FactorComp", f"{layer.name}/G", "factor"):
-                    packed = pack(self.factors.g_factor(module, self._unscaled(grad), batch))
+                    packed = self._g_packed(module, self._unscaled(grad), batch)
                 if cap.g is None:
                     cap.g = _Sum(packed, 1.0 / batch)
                 else:
@@ -242,17 +270,21 @@ class Capture:
     def _examples(self, x: Tensor) -> int:
         return self.examples if self.examples is not None else x.shape[0]
 
-    def _unscaled(self, grad: Tensor) -> Tensor:
-        """The output gradient without the loss scale, in the factor dtype.
+    def _a_packed(self, module: nn.Module, x: Tensor) -> tuple[Tensor, int]:
+        """A's packed triangle and row count; straight from a stage that computes the triangle alone."""
+        if self._triangles[0]:
+            return self.factors.a_factor_packed(module, x)  # type: ignore[attr-defined,no-any-return]
+        factor, rows = self.factors.a_factor_rows(module, x)
+        return pack(factor), rows
 
-        Unscaled first, in at least float32, then cast: a scaled gradient cast to float16 first
-        overflows (65504 is float16's largest number), and the factor is then never averaged in.
-        A loss scale is a power of two, so the division itself is exact.
-        """
-        if not isinstance(self.grad_scale, Tensor):
-            return grad.to(self.dtype)
-        wide = torch.promote_types(grad.dtype, torch.float32)
-        return (grad.to(wide) / self.grad_scale.to(wide)).to(self.dtype)
+    def _g_packed(self, module: nn.Module, grad: Tensor, batch: int) -> Tensor:
+        if self._triangles[1]:
+            return self.factors.g_factor_packed(module, grad, batch)  # type: ignore[attr-defined,no-any-return]
+        return pack(self.factors.g_factor(module, grad, batch))
+
+    def _unscaled(self, grad: Tensor) -> Tensor:
+        """The output gradient without the loss scale, in the factor dtype (:func:`unscaled`)."""
+        return unscaled(grad, self.grad_scale, self.dtype)
 
     def _last_call(self, layer: KFACLayer, calls: int, micro: int) -> bool:
         """Whether this call completes the layer's factor (known only once ``uses`` is learnt)."""

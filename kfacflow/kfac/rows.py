@@ -31,8 +31,8 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from kfacflow.comm.base import Backend, Handle
-from kfacflow.kfac.capture import _full_precision, _input
-from kfacflow.kfac.factors import conv_windows, row_matrix
+from kfacflow.kfac.capture import _full_precision, _input, unscaled
+from kfacflow.kfac.factors import conv_output_rows, conv_windows, row_matrix
 from kfacflow.kfac.layers import KFACLayer, bias_preconditioned
 from kfacflow.kfac.stages import LayerRows
 from kfacflow.timing import StepTimer
@@ -117,12 +117,10 @@ class RowCapture:
 
             def grad_hook(grad: Tensor) -> None:
                 with torch.no_grad():
-                    wide = torch.promote_types(grad.dtype, self.dtype)
-                    d = grad.to(wide)
-                    if isinstance(self.capture.grad_scale, Tensor):  # a power of two: exact
-                        d = d / self.capture.grad_scale.to(wide)
-                    d = d.flatten(2).transpose(1, 2) if isinstance(module, nn.Conv2d) else d
-                    rows.delta.append(d.reshape(-1, d.shape[-1]).to(self.dtype))
+                    d = unscaled(grad, self.capture.grad_scale, self.dtype)
+                    rows.delta.append(
+                        conv_output_rows(d) if isinstance(module, nn.Conv2d) else d.reshape(-1, d.shape[-1])
+                    )
                     rows.eps = max(rows.eps, torch.finfo(grad.dtype).eps)
 
             output.register_hook(grad_hook)

@@ -139,7 +139,13 @@ class Inverse(ABC):
 
 
 class FactorStage(Protocol):
-    """Stage *factor*: a layer's A from its input and G from its output gradient (full matrices)."""
+    """Stage *factor*: a layer's A from its input and G from its output gradient (full matrices).
+
+    A stage may also offer ``a_factor_packed(module, x) -> (packed A, rows)`` and
+    ``g_factor_packed(module, grad_out, batch) -> packed G``, the upper triangles that capture sums
+    and sends (:func:`~kfacflow.kfac.packing.pack`'s order): then capture calls those, and the stage
+    need not compute the lower half (the shipped ones do not: :func:`~kfacflow.kfac.factors.gram_packed`).
+    """
 
     def a_factor_rows(self, module: nn.Module, x: Tensor) -> tuple[Tensor, int]:
         """Return A and the number of rows it averages (examples, times positions where they count)."""

@@ -1,0 +1,100 @@
+"""Time the factor products of a model as the factor stage computes them: whole, or the upper triangle in block rows.
+
+    python tools/bench_gram.py digits_cnn --image-size 28 --channels 1 --batch 64
+    python tools/bench_gram.py resnet18 resnet50 --image-size 32 --batch 32 --blocks 192,384,768
+
+For each model one forward and backward pass of ``--batch`` random images records the shape of every
+preconditioned layer's row matrices (A: patches with the ones column, ``expand`` factors; G: output
+gradients); each distinct shape is then timed on random data, ``pack(a.T @ a)`` against
+:func:`~kfacflow.kfac.factors.gram_packed` with block rows at most ``--blocks`` wide, one after the
+other on the same matrix, the fastest of ``--reps`` each, and weighted by how many layers have it.
+Prints the step's total for each and the ratio to the whole product; ``GRAM_BLOCK`` in
+``kfacflow/kfac/factors.py`` is chosen from this, on one thread (``--threads``) as the cluster
+benchmarks run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kfacflow.kfac import factors  # noqa: E402
+from kfacflow.kfac.factors import ExpandFactors, row_matrix  # noqa: E402
+from kfacflow.kfac.layers import bias_preconditioned, find_layers  # noqa: E402
+from kfacflow.kfac.packing import pack  # noqa: E402
+from kfacflow.models import build_model, check_name  # noqa: E402
+
+
+def shapes(name: str, image_size: int, channels: int, batch: int) -> Counter[tuple[int, int]]:
+    """Return ``(rows, width)`` of every A and G row matrix of one step of ``name``, counted."""
+    check_name(name)
+    model = build_model(name, 10, channels)
+    seen: Counter[tuple[int, int]] = Counter()
+    stage = ExpandFactors()
+
+    def hook(module: nn.Module, args: tuple[Tensor, ...], out: Tensor) -> None:
+        x = args[0].detach()
+        if isinstance(module, nn.Conv2d):
+            a = row_matrix(stage._conv_a(module, x), bias_preconditioned(module))
+        else:
+            a = row_matrix(x.reshape(-1, x.shape[-1]), bias_preconditioned(module))
+        seen[tuple(a.shape)] += 1  # type: ignore[index]
+        out.register_hook(lambda g: seen.update([(g.numel() // g.shape[1], g.shape[1])]))
+
+    for layer in find_layers(model, []):
+        layer.module.register_forward_hook(hook)
+    model(torch.randn(batch, channels, image_size, image_size)).sum().backward()
+    return seen
+
+
+def fastest(fn: Callable[[], object], reps: int) -> float:
+    """The fastest of ``reps`` calls, in seconds (after one untimed call)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("models", nargs="+")
+    parser.add_argument("--image-size", type=int, default=32)
+    parser.add_argument("--channels", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--blocks", default="128,256,384,512,768,1024", help="widest block rows to time")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    widths = [int(b) for b in args.blocks.split(",")]
+    for name in args.models:
+        counts = shapes(name, args.image_size, args.channels, args.batch)
+        total: dict[str | int, float] = dict.fromkeys(["whole", *widths], 0.0)
+        for (rows, width), count in sorted(counts.items(), key=lambda kv: -kv[0][0] * kv[0][1] ** 2):
+            a = torch.randn(rows, width)
+            line: dict[str | int, float] = {"whole": fastest(lambda: pack(a.T @ a), args.reps)}  # noqa: B023
+            for block in widths:
+                factors.GRAM_BLOCK = block
+                line[block] = fastest(lambda: factors.gram_packed(a), args.reps)  # noqa: B023
+            for key, seconds in line.items():
+                total[key] += count * seconds
+            ratios = " ".join(f"{b}:{line[b] / line['whole']:.2f}" for b in widths)
+            print(f"  {rows:>7} x {width:<5} x{count:<3} whole {line['whole'] * 1e3:8.1f} ms   {ratios}")
+        ratios = " ".join(f"{b}:{total[b] / total['whole']:.2f}" for b in widths)
+        print(f"{name}: whole {total['whole'] * 1e3:.0f} ms a step   block rows at most  {ratios}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
