@@ -28,8 +28,8 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kfacflow.kfac import factors  # noqa: E402
-from kfacflow.kfac.factors import ExpandFactors, row_matrix  # noqa: E402
-from kfacflow.kfac.layers import bias_preconditioned, find_layers  # noqa: E402
+from kfacflow.kfac.factors import ExpandFactors  # noqa: E402
+from kfacflow.kfac.layers import find_layers  # noqa: E402
 from kfacflow.kfac.packing import pack  # noqa: E402
 from kfacflow.models import build_model, check_name  # noqa: E402
 
@@ -42,13 +42,8 @@ def shapes(name: str, image_size: int, channels: int, batch: int) -> Counter[tup
     stage = ExpandFactors()
 
     def hook(module: nn.Module, args: tuple[Tensor, ...], out: Tensor) -> None:
-        x = args[0].detach()
-        if isinstance(module, nn.Conv2d):
-            a = row_matrix(stage._conv_a(module, x), bias_preconditioned(module))
-        else:
-            a = row_matrix(x.reshape(-1, x.shape[-1]), bias_preconditioned(module))
-        seen[tuple(a.shape)] += 1  # type: ignore[index]
-        out.register_hook(lambda g: seen.update([(g.numel() // g.shape[1], g.shape[1])]))
+        seen[tuple(stage.a_rows(module, args[0].detach()).shape)] += 1  # type: ignore[index]
+        out.register_hook(lambda g: seen.update([tuple(stage.g_rows(module, g).shape)]))  # type: ignore[list-item]
 
     for layer in find_layers(model, []):
         layer.module.register_forward_hook(hook)

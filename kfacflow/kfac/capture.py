@@ -156,11 +156,9 @@ class Capture:
         self.grad_scale: Tensor | None = None
         """The loss scale of this step's backward pass (fp16 mixed precision): G is of the unscaled gradients."""
         self.factors = factors
-        self._triangles = (
-            _offers(factors, "a_factor_packed", "a_factor_rows"),
-            _offers(factors, "g_factor_packed", "g_factor"),
-        )
-        """Whether the stage computes A's and G's packed triangles itself."""
+        self._packs_a = _offers(factors, "a_factor_packed", "a_factor_rows")
+        """Whether the stage computes A's packed triangle itself (and ``_packs_g``, G's)."""
+        self._packs_g = _offers(factors, "g_factor_packed", "g_factor")
         self.push = push
         self.timer = timer
         self.accumulate = accumulate
@@ -272,13 +270,13 @@ class Capture:
 
     def _a_packed(self, module: nn.Module, x: Tensor) -> tuple[Tensor, int]:
         """A's packed triangle and row count; straight from a stage that computes the triangle alone."""
-        if self._triangles[0]:
+        if self._packs_a:
             return self.factors.a_factor_packed(module, x)  # type: ignore[attr-defined,no-any-return]
         factor, rows = self.factors.a_factor_rows(module, x)
         return pack(factor), rows
 
     def _g_packed(self, module: nn.Module, grad: Tensor, batch: int) -> Tensor:
-        if self._triangles[1]:
+        if self._packs_g:
             return self.factors.g_factor_packed(module, grad, batch)  # type: ignore[attr-defined,no-any-return]
         return pack(self.factors.g_factor(module, grad, batch))
 

@@ -84,11 +84,6 @@ def conv_windows(module: nn.Conv2d, x: Tensor) -> Tensor:
     return windows.permute(0, 2, 3, 1, 4, 5)
 
 
-def conv_output_rows(grad_out: Tensor) -> Tensor:
-    """A Conv2d output gradient ``(N, C_out, H, W)`` as rows ``(N H W, C_out)``, one per output position."""
-    return grad_out.flatten(2).transpose(1, 2).reshape(-1, grad_out.shape[1])
-
-
 def row_matrix(a: Tensor, bias: bool) -> Tensor:
     """``a`` as a matrix of rows, with a ones column where the bias is preconditioned with the weight.
 
@@ -122,11 +117,7 @@ class ExpandFactors:
 
     def a_factor_packed(self, module: nn.Module, x: Tensor) -> tuple[Tensor, int]:
         """Return A's packed upper triangle and its row count (what capture sums and sends)."""
-        bias = bias_preconditioned(module)
-        if isinstance(module, nn.Conv2d):
-            a = row_matrix(self._conv_a(module, x), bias)
-        else:
-            a = row_matrix(x.reshape(-1, x.shape[-1]), bias)
+        a = self.a_rows(module, x)
         n = a.shape[0]
         if a.dtype.itemsize < 4:  # float16's 65504 would overflow in the sum: scale the rows first
             return gram_packed(a, a / n), n
@@ -139,18 +130,23 @@ class ExpandFactors:
 
     def g_factor_packed(self, module: nn.Module, grad_out: Tensor, batch: int) -> Tensor:
         """Return G's packed upper triangle."""
-        if isinstance(module, nn.Conv2d):
-            g = self._conv_g(grad_out)
-        else:
-            g = grad_out.reshape(-1, grad_out.shape[-1])
-        return gram_packed(g).mul_(batch)
+        return gram_packed(self.g_rows(module, grad_out)).mul_(batch)
+
+    def a_rows(self, module: nn.Module, x: Tensor) -> Tensor:
+        """The rows ``a`` that A is the mean of: ``(rows, a_dim)``, the ones column of a preconditioned bias last."""
+        a = self._conv_a(module, x) if isinstance(module, nn.Conv2d) else x.reshape(-1, x.shape[-1])
+        return row_matrix(a, bias_preconditioned(module))
+
+    def g_rows(self, module: nn.Module, grad_out: Tensor) -> Tensor:
+        """The rows ``g`` of the output gradient that G sums: ``(rows, g_dim)``."""
+        return self._conv_g(grad_out) if isinstance(module, nn.Conv2d) else grad_out.reshape(-1, grad_out.shape[-1])
 
     def _conv_a(self, module: nn.Conv2d, x: Tensor) -> Tensor:
         """The patches, as windows ``(N, H_out, W_out, C_in, kh, kw)`` (``row_matrix`` copies them once)."""
         return conv_windows(module, x)
 
     def _conv_g(self, grad_out: Tensor) -> Tensor:
-        return conv_output_rows(grad_out)
+        return grad_out.flatten(2).transpose(1, 2).reshape(-1, grad_out.shape[1])
 
 
 class ReduceFactors(ExpandFactors):

@@ -32,8 +32,8 @@ from torch.utils.hooks import RemovableHandle
 
 from kfacflow.comm.base import Backend, Handle
 from kfacflow.kfac.capture import _full_precision, _input, unscaled
-from kfacflow.kfac.factors import conv_output_rows, conv_windows, row_matrix
-from kfacflow.kfac.layers import KFACLayer, bias_preconditioned
+from kfacflow.kfac.factors import ExpandFactors
+from kfacflow.kfac.layers import KFACLayer
 from kfacflow.kfac.stages import LayerRows
 from kfacflow.timing import StepTimer
 
@@ -41,6 +41,9 @@ if TYPE_CHECKING:
     from kfacflow.kfac.capture import Capture
 
 logger = logging.getLogger(__name__)
+
+_EXPAND = ExpandFactors()
+"""The rows of a gradient are per output position, whatever factors the recipe chose."""
 
 
 @dataclass
@@ -95,10 +98,8 @@ class RowCapture:
             if x is None:
                 return
             with torch.no_grad(), _full_precision(x):
-                x = layer.layer_input(x.detach())
-                windows = conv_windows(module, x) if isinstance(module, nn.Conv2d) else x.reshape(-1, x.shape[-1])
                 rows = self.step.setdefault(layer.name, _Rows())
-                rows.a.append(row_matrix(windows.to(self.dtype), bias_preconditioned(module)))
+                rows.a.append(_EXPAND.a_rows(module, layer.layer_input(x.detach().to(self.dtype))))
                 rows.eps = max(rows.eps, torch.finfo(x.dtype).eps)
 
         return hook
@@ -117,10 +118,7 @@ class RowCapture:
 
             def grad_hook(grad: Tensor) -> None:
                 with torch.no_grad():
-                    d = unscaled(grad, self.capture.grad_scale, self.dtype)
-                    rows.delta.append(
-                        conv_output_rows(d) if isinstance(module, nn.Conv2d) else d.reshape(-1, d.shape[-1])
-                    )
+                    rows.delta.append(_EXPAND.g_rows(module, unscaled(grad, self.capture.grad_scale, self.dtype)))
                     rows.eps = max(rows.eps, torch.finfo(grad.dtype).eps)
 
             output.register_hook(grad_hook)
