@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import pickle
 import struct
 import zlib
@@ -44,13 +45,29 @@ def _resize(x: torch.Tensor, size: int) -> torch.Tensor:
     return F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
 
 
+def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits as ``(1797 x 64 pixels, 1797 labels)``, what ``load_digits()`` gives.
+
+    Read from the file scikit-learn ships, without importing it: importing ``sklearn.datasets``
+    takes about a second of CPU in every worker of every run, most of a small run's start.
+    """
+    spec = importlib.util.find_spec("sklearn")
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    path = next((Path(f) / "datasets" / "data" / "digits.csv.gz" for f in folders), None)
+    if path is None or not path.is_file():  # another layout: scikit-learn's own loader
+        from sklearn.datasets import load_digits
+
+        bunch = load_digits()
+        return np.asarray(bunch.data), np.asarray(bunch.target)
+    data = np.loadtxt(path, delimiter=",")
+    return data[:, :-1], data[:, -1].astype(int)
+
+
 @DATASETS.register("digits", "scikit-learn 8x8 handwritten digits (1797 images, 10 classes, in memory)")
 def _digits(cfg: DataConfig) -> tuple[Dataset, Dataset, DataInfo]:
-    from sklearn.datasets import load_digits
-
-    bunch = load_digits()
-    x = torch.as_tensor(np.asarray(bunch.data), dtype=torch.float32).reshape(-1, 1, 8, 8)
-    y = torch.as_tensor(np.asarray(bunch.target), dtype=torch.int64)
+    pixels, labels = digits_arrays()
+    x = torch.as_tensor(pixels, dtype=torch.float32).reshape(-1, 1, 8, 8)
+    y = torch.as_tensor(labels, dtype=torch.int64)
     # A fixed generator of its own so the split never depends on train.seed or the world size.
     perm = torch.as_tensor(np.random.default_rng(0).permutation(len(x)))
     n_train = int(0.8 * len(x))

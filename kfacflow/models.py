@@ -6,7 +6,6 @@ import functools
 import logging
 
 import torch
-import torchvision
 from torch import nn
 
 from kfacflow import UserError, did_you_mean
@@ -66,8 +65,8 @@ def check_name(name: str) -> None:
     if ":" in name:  # the user's own module.path:factory
         MODELS.get(name)
         return
-    known = [n for n in MODELS.names() if not n.endswith("/")]
-    if name not in known:
+    if name.endswith("/") or name not in MODELS:
+        known = [n for n in MODELS.names() if not n.endswith("/")]
         raise UserError(
             f"model.name: unknown model {name!r}.{did_you_mean(name, known)} "
             f"See `python run.py --list model`, or use timm/<name> for a timm model."
@@ -192,13 +191,21 @@ def _torchvision(name: str, num_classes: int, in_channels: int) -> nn.Module:
             f"model.name={name!r} is a torchvision model and needs 3-channel images, but the data has "
             f"{in_channels}; pick a 3-channel data.name (e.g. cifar10) or a built-in model."
         )
+    import torchvision
+
     model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
     assert isinstance(model, nn.Module)
     return model
 
 
-for _name in torchvision.models.list_models(module=torchvision.models):
-    MODELS.add(_name, functools.partial(_torchvision, _name), f"torchvision {_name}")
+def _register_torchvision() -> None:
+    import torchvision  # 1.5 s of CPU in every process: only where a model is not one of ours
+
+    for name in torchvision.models.list_models(module=torchvision.models):
+        MODELS.add(name, functools.partial(_torchvision, name), f"torchvision {name}")
+
+
+MODELS.defer(_register_torchvision)
 
 
 @MODELS.register(TIMM_PREFIX, "any timm model as timm/<name>, randomly initialised (e.g. timm/resnet50)")

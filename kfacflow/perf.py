@@ -10,7 +10,6 @@ from typing import Any
 
 import numpy as np
 import yaml
-from scipy.optimize import least_squares
 
 from kfacflow import UserError, did_you_mean
 from kfacflow.yaml_file import read_yaml
@@ -219,6 +218,8 @@ def fit_linear(sizes: list[float], seconds: list[float]) -> LinearModel:
 
     def line(x: np.ndarray) -> np.ndarray:
         return t_unit * (x[0] + x[1] * m / m_unit)
+
+    from scipy.optimize import least_squares  # 0.3 s to import, for the fit alone
 
     bulk = least_squares(lambda x: (line(x) - t) / t_unit, np.array([0.01, 1.0]), bounds=(0.0, np.inf)).x
     x = least_squares(lambda x: (line(x) - t) / t, bulk, bounds=(0.0, np.inf), loss="cauchy", f_scale=0.1).x

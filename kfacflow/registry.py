@@ -55,6 +55,19 @@ class Registry(Generic[T]):
         self.imports = imports
         """What a ``module.path:factory`` name must give, if the user may name their own (empty: no)."""
         self._entries: dict[str, Entry[T]] = {}
+        self._deferred: list[Callable[[], None]] = []
+
+    def defer(self, fill: Callable[[], None]) -> None:
+        """Have ``fill`` add entries when they are needed: before looking up a name not registered yet, or listing all.
+
+        For entries whose listing costs an import most runs never need (torchvision's models take
+        1.5 s of CPU to list, in every process of every run).
+        """
+        self._deferred.append(fill)
+
+    def _fill(self) -> None:
+        while self._deferred:
+            self._deferred.pop(0)()
 
     def register(
         self, name: str, description: str, needs_profile: bool = False, options: type | None = None
@@ -95,6 +108,9 @@ class Registry(Generic[T]):
             return self._entries[name].obj
         if self.imports and ":" in name:
             return self._import(name)  # type: ignore[no-any-return]
+        self._fill()
+        if name in self._entries:
+            return self._entries[name].obj
         prefix = self.prefix_of(name)
         if prefix is not None:
             return self._entries[prefix].obj
@@ -129,12 +145,18 @@ class Registry(Generic[T]):
 
     def names(self) -> list[str]:
         """Return all registered names in registration order."""
+        self._fill()
         return list(self._entries)
 
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and (name in self._entries or self.prefix_of(name) is not None)
+        if not isinstance(name, str):
+            return False
+        if name not in self._entries:
+            self._fill()
+        return name in self._entries or self.prefix_of(name) is not None
 
     def __iter__(self) -> Iterator[Entry[T]]:
+        self._fill()
         return iter(self._entries.values())
 
 

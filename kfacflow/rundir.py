@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import importlib.metadata
 import io
 import json
 import logging
@@ -68,10 +70,9 @@ def write_metadata(run_dir: Path, config_yaml: str, argv: list[str], resumed: bo
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
     }
-    for mod in ("torchvision", "omegaconf", "timm", "horovod"):
-        module = sys.modules.get(mod)
-        if module is not None:
-            versions[mod] = getattr(module, "__version__", "?")
+    for package in ("torchvision", "omegaconf", "timm", "horovod"):  # installed ones, imported or not
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions[package] = importlib.metadata.version(package)
     write_atomic(run_dir / "versions.json", json.dumps(versions, indent=2).encode())
 
 

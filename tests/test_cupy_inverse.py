@@ -166,6 +166,26 @@ def test_importing_kfacflow_never_imports_cupy(tmp_path: Path) -> None:
     assert out.stdout.split("\n")[:2] == ["1", "[]"]
 
 
+def test_a_run_of_our_own_model_and_data_imports_no_torchvision_scipy_or_sklearn() -> None:
+    """Every process of every run imports what it builds: torchvision alone costs 1.5 s of CPU at start."""
+    code = (
+        "import sys\n"
+        "import kfacflow.cli, kfacflow.library, kfacflow.trainer\n"
+        "from kfacflow import build\n"
+        "from kfacflow.config import DataConfig\n"
+        "from kfacflow.data import build_datasets\n"
+        "from kfacflow.models import build_model\n"
+        "build.load_plugins()\n"
+        "build_model('digits_cnn', 10, 1); build_datasets(DataConfig(name='digits'))\n"
+        "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torchvision', 'scipy', 'sklearn'})\n"
+        "build_model('resnet18', 10, 3)  # a torchvision model: registered when it is asked for\n"
+        "print(heavy, 'torchvision' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[0] == "[] True"
+
+
 def test_on_cpu_it_is_cholesky_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     # What a calibration or tools/fit_perf_models.py meets on the CPU: no failure, cholesky's numbers.
     f = spd(9, 0, torch.float64)

@@ -54,6 +54,17 @@ def test_digits_split_and_stats() -> None:
     assert torch.equal(yt, torch.as_tensor(load_digits().target[perm[:1437]]))
 
 
+def test_digits_read_from_the_file_are_what_scikit_learn_loads() -> None:
+    from sklearn.datasets import load_digits
+
+    from kfacflow.datasets import digits_arrays
+
+    pixels, labels = digits_arrays()
+    bunch = load_digits()
+    assert np.array_equal(pixels, bunch.data) and np.array_equal(labels, bunch.target)
+    assert pixels.shape == (1797, 64) and labels.dtype.kind == "i"
+
+
 def test_digits_resize() -> None:
     train, val, info = build_datasets(DataConfig(name="digits", image_size=16))
     assert info.image_size == 16 and train[0][0].shape == (1, 16, 16) and val[0][0].shape == (1, 16, 16)

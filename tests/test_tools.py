@@ -14,6 +14,7 @@ from helpers import ROOT, last_line, run_cli, run_tool
 sys.path.insert(0, str(ROOT / "tools"))
 
 import bench  # noqa: E402
+import bench_loop  # noqa: E402
 import simulate  # noqa: E402
 
 from kfacflow import build, simulation  # noqa: E402
@@ -57,8 +58,58 @@ def test_bench_compares_variants_and_writes_table_json_and_figure(tmp_path: Path
 @pytest.mark.parametrize("ablation", list(bench.CONFIGS))
 def test_every_bench_configuration_is_a_valid_recipe(ablation: str) -> None:
     """A configuration whose stages do not fit together would fail only once its run starts, minutes into a sitting."""
-    for overrides in bench.CONFIGS[ablation].values():
-        build.check(load([str(ROOT / "recipes" / "resnet18_synthetic.yaml")], overrides))
+    recipe = str(ROOT / "recipes" / "resnet18_synthetic.yaml")
+    for config in bench.CONFIGS[ablation].values():
+        path, options, overrides = bench.script(config)
+        build.check(load([recipe], overrides))
+        if path != "run.py":  # a loop of its own takes its options before the recipe
+            assert path == bench.LOOP and (ROOT / path).is_file()
+            assert bench_loop.parse([*options, recipe, *overrides])[1] == overrides
+
+
+def test_bench_loop_times_kfacflow_in_a_plain_loop(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The loop tool trains the recipe's model with kfacflow's library and writes one timed line per step."""
+    argv = ["--library", "kfacflow", "recipes/quickstart.yaml", "train.steps=4", "train.timing_warmup=1"]
+    assert bench_loop.main([*argv, f"out_dir={tmp_path}", "name=run"]) == 0
+    out = capsys.readouterr().out
+    assert "kfacflow: 4 layers preconditioned" in out and "over 3 steps" in out
+    (run_dir,) = (tmp_path / "run").iterdir()
+    steps = [json.loads(line) for line in (run_dir / "timings.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2, 3, 4] and all(s["total"] > 0 for s in steps)
+    collected = bench.collect(tmp_path, 1)  # what bench reads: whole steps, no breakdown
+    assert len(collected["steps"]) == 3
+    assert bench.summarize([{**collected, "wall_s": 1.0}], None, 4)["breakdown_s"] is None
+
+
+def test_bench_loop_says_how_to_get_kfac_pytorch(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "kfac", None)  # as if it were not installed: importing it fails
+    assert bench_loop.main(["--library", "kfac-pytorch", "recipes/quickstart.yaml", "train.steps=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install kfac-pytorch" in err[0]
+    assert bench_loop.main(["--library", "kfac-pytorch", "recipes/quickstart.yaml", "kfac.variant=sgd"]) == 2
+    assert "--library sgd" in capsys.readouterr().err
+
+
+def test_bench_libraries_table_compares_kfacflow_with_each_kfac_pytorch_configuration() -> None:
+    def result(step: float, broken_down: bool) -> dict[str, object]:
+        parts = dict.fromkeys(bench.CATEGORIES, step / len(bench.CATEGORIES)) if broken_down else None
+        return {"step_s": step, "breakdown_s": parts, "outside_step_s": None}
+
+    results = {
+        "sgd": result(0.5, True),
+        "flow+rows": result(2.0, True),
+        "loop flow+rows": result(2.5, False),
+        "kfac-pytorch": result(10.0, False),
+        "kfac-pytorch mem-opt": result(5.0, False),
+    }
+    text = bench.table(results, "libraries")
+    assert "flow+rows / kfac-pytorch: 0.200 of the time" in text
+    assert "flow+rows / kfac-pytorch mem-opt: 0.400" in text and "loop flow+rows / kfac-pytorch mem-opt: 0.500" in text
+    row = next(line for line in text.splitlines() if line.startswith("kfac-pytorch mem-opt"))
+    assert row.split()[-1] == "-" and "5.000" in row  # timed whole: no breakdown is made up
+    assert "kfac-pytorch / sgd: 20.00x the step" in text
 
 
 @pytest.fixture(scope="module")

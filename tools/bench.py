@@ -7,6 +7,7 @@
     python tools/bench.py recipes/resnet18_synthetic.yaml --ablation flow --cluster  # SPD to flow, one option at a time
     python tools/bench.py recipes/resnet18_synthetic.yaml --ablation rare --intervals 10/100 --cluster  # 10/100 options
     python tools/bench.py recipes/resnet18_synthetic.yaml --intervals 1/10 --cluster   # inverses every 10 steps
+    python tools/bench.py recipes/resnet18_synthetic.yaml --ablation libraries --intervals 1/10 --cluster  # libraries
 
 Each configuration runs ``--steps`` steps; the first ``--warmup`` (which must cover the optimal
 fusion's profiling) are discarded and the median of the rest is the step time. With
@@ -22,6 +23,10 @@ drifts of the machine hit every variant alike. One performance profile is measur
 with ``--profile``) and shared by all runs, so plans and placements are the same in every
 repetition. Timing claims about pipelining belong on the emulated cluster (``--cluster``): on plain
 loopback the workers and the communication threads fight over the same cores and overlap looks slower than serial.
+
+A configuration whose first item is a script (``tools/bench_loop.py``: one hand-written DDP loop
+around kfacflow's library, kfac-pytorch's, or none) runs that script instead of ``run.py``, with
+its ``--options`` before the recipe; its steps are timed as a whole, without the breakdown.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 from kfacflow.timing import CATEGORIES  # noqa: E402
 
+LOOP = "tools/bench_loop.py"
 CONFIGS: dict[str, dict[str, list[str]]] = {
     "variants": {
         "sgd": ["kfac.variant=sgd"],
@@ -76,6 +82,22 @@ CONFIGS: dict[str, dict[str, list[str]]] = {
         "flow+rows": ["kfac.variant=flow", "kfac.precondition=rows"],
         "+overlap": ["kfac.variant=flow", "kfac.precondition=rows", "kfac.grad_sync=overlap"],
         "+packed": ["kfac.variant=flow", "kfac.precondition=rows", "kfac.grad_sync=overlap", "kfac.broadcast=packed"],
+    },
+    "libraries": {  # kfac-pytorch in a user's loop, beside kfacflow in run.py and in the same loop
+        "sgd": ["kfac.variant=sgd"],
+        "flow+rows": ["kfac.variant=flow", "kfac.precondition=rows"],
+        "loop sgd": [LOOP, "--library=sgd", "kfac.variant=sgd"],
+        "loop flow+rows": [LOOP, "--library=kfacflow", "kfac.variant=flow", "kfac.precondition=rows"],
+        "kfac-pytorch": [LOOP, "--library=kfac-pytorch", "--strategy=comm-opt", "--method=eigen"],
+        "kfac-pytorch inverse": [LOOP, "--library=kfac-pytorch", "--strategy=comm-opt", "--method=inverse"],
+        "kfac-pytorch mem-opt": [LOOP, "--library=kfac-pytorch", "--strategy=mem-opt", "--method=inverse"],
+        "kfac-pytorch mem-opt sym": [
+            LOOP,
+            "--library=kfac-pytorch",
+            "--strategy=mem-opt",
+            "--method=inverse",
+            "--symmetry-aware",
+        ],
     },
     "fig10": {
         "Naive": ["kfac.variant=spd", "kfac.fusion=naive"],
@@ -113,18 +135,30 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_intermixed_args(argv)
 
 
-def run_one(args: argparse.Namespace, extra: list[str], out_dir: Path, cluster: Any) -> tuple[int, float]:
-    """Run one configuration; return its exit code and wall seconds."""
+def script(config: list[str]) -> tuple[str, list[str], list[str]]:
+    """A configuration as its script (``run.py`` unless its first item names one), the script's options, overrides."""
+    name, rest = ("run.py", config) if not config or not config[0].endswith(".py") else (config[0], config[1:])
+    return name, [c for c in rest if c.startswith("--")], [c for c in rest if not c.startswith("--")]
+
+
+def run_one(
+    args: argparse.Namespace, config: list[str], common: list[str], out_dir: Path, cluster: Any
+) -> tuple[int, float]:
+    """Run one configuration with the overrides ``common`` to every run; return its exit code and wall seconds."""
     start = time.perf_counter()
-    rc = _run(args, extra, out_dir, cluster)
+    rc = _run(args, config, common, out_dir, cluster)
     return rc, time.perf_counter() - start
 
 
-def _run(args: argparse.Namespace, extra: list[str], out_dir: Path, cluster: Any) -> int:
-    argv = ["run.py", args.recipe, *args.overrides, *extra, f"out_dir={out_dir}", "name=run", "train.progress=false"]
-    argv.append(f"dist.backend={args.backend}")
+def _run(args: argparse.Namespace, config: list[str], common: list[str], out_dir: Path, cluster: Any) -> int:
+    path, options, extra = script(config)
+    argv = [path, *options, args.recipe, *args.overrides, *common, *extra, f"out_dir={out_dir}", "name=run"]
+    argv += ["train.progress=false", f"dist.backend={args.backend}"]
     if cluster is not None:
         return int(cluster.run(argv, nproc_per_node=args.nproc))
+    if path != "run.py":  # a loop of its own: started as torchrun starts it
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc)]
+        return subprocess.run([*launch, *argv], cwd=ROOT).returncode
     if args.backend == "horovod":
         hosts = ["horovodrun", "-np", str(args.nproc), "-H", f"localhost:{args.nproc}", "--gloo"]
         return subprocess.run([*hosts, sys.executable, *argv], cwd=ROOT).returncode
@@ -198,7 +232,10 @@ def summarize(
         "median_step_s": median,
         "mean_step_s": average,
         "step_s": average if mean else median,
-        "breakdown_s": {c: statistics.mean(s.get(c, 0.0) for s in steps) for c in CATEGORIES},
+        # A loop of its own (tools/bench_loop.py) times whole steps: no breakdown to show.
+        "breakdown_s": {c: statistics.mean(s.get(c, 0.0) for s in steps) for c in CATEGORIES}
+        if any(c in s for s in steps for c in CATEGORIES)
+        else None,
         "steps_measured": len(steps),
         "runs": [r["run_dir"] for r in runs],
         "outside_step_s": None,
@@ -218,24 +255,29 @@ def table(results: dict[str, dict[str, Any]], ablation: str) -> str:
         "fig10": ("Naive", None),
         "flow": ("SPD-KFAC", None),
         "rare": ("flow+rows", None),
+        "libraries": ("flow+rows", "loop flow+rows"),
     }[ablation]
-    head = f"{'config':<12} {'s/step':>8} {'inside':>8} {'outside':>8} {'gap':>6} "
+    wide = max(12, *(len(n) for n in names))
+    head = f"{'config':<{wide}} {'s/step':>8} {'inside':>8} {'outside':>8} {'gap':>6} "
     lines = [head + " ".join(f"{c:>11}" for c in CATEGORIES)]
     for name in names:
         r = results[name]
-        parts = " ".join(f"{r['breakdown_s'][c]:>11.3f}" for c in CATEGORIES)
+        parts = " ".join(f"{r['breakdown_s'][c]:>11.3f}" if r["breakdown_s"] else f"{'-':>11}" for c in CATEGORIES)
         inside, outside, gap = "-", "-", "-"
         if r.get("outside_step_s") is not None:
             inside, outside = f"{r['inside_step_s']:.3f}", f"{r['outside_step_s']:.3f}"
             gap = f"{100 * (r['outside_step_s'] / r['inside_step_s'] - 1):+.1f}%"
-        lines.append(f"{name:<12} {r['step_s']:>8.3f} {inside:>8} {outside:>8} {gap:>6} {parts}")
+        lines.append(f"{name:<{wide}} {r['step_s']:>8.3f} {inside:>8} {outside:>8} {gap:>6} {parts}")
     lines.append(
         "(inside and outside: the extra time per extra step of a run twice as long, by the step timer and by the wall)"
     )
     lines.append("")
     pairs = [("SPD-KFAC", ref) for ref in base if ref] if ablation == "variants" else []
     pairs = [("flow", ref) for ref in ("D-KFAC", "SPD-KFAC")] + pairs if ablation == "variants" else pairs
-    pairs += [(names[-1], ref) for ref in base if ref and ablation != "variants"]
+    if ablation == "libraries":  # kfacflow against each of kfac-pytorch's configurations
+        pairs = [(ours, theirs) for ours in base if ours for theirs in names if theirs.startswith("kfac-pytorch")]
+    elif ablation != "variants":
+        pairs += [(names[-1], ref) for ref in base if ref]
     for best, ref in pairs:
         if ref in results and best in results and ref != best:
             ratio = results[best]["step_s"] / results[ref]["step_s"]
@@ -257,9 +299,12 @@ def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(1.6 * len(names) + 2, 4))
     bottom = [0.0] * len(names)
     for i, cat in enumerate(CATEGORIES):
-        vals = [results[n]["breakdown_s"][cat] for n in names]
+        vals = [results[n]["breakdown_s"][cat] if results[n]["breakdown_s"] else 0.0 for n in names]
         ax.bar(names, vals, bottom=bottom, label=cat, color=f"C{i}")
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    whole = [0.0 if results[n]["breakdown_s"] else results[n]["step_s"] for n in names]
+    if any(whole):
+        ax.bar(names, whole, bottom=bottom, label="not broken down", color="0.7")
     ax.set_ylabel("seconds per step (mean after warm-up)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, bbox_to_anchor=(1.02, 1), loc="upper left")
@@ -282,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     configs = CONFIGS[args.ablation]
     if args.only:
         configs = {k: v for k, v in configs.items() if k in args.only.split(",")}
+    if args.backend == "horovod" and any(script(c)[0] != "run.py" for c in configs.values()):
+        print(f"error: --backend horovod: {LOOP} runs under torchrun only; leave --backend out", file=sys.stderr)
+        return 2
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     common = [f"train.timing_warmup={args.warmup}", "train.checkpoint_every=0", *every]
@@ -304,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
             run_root = out / "runs" / f"{name.replace('/', '_').replace(' ', '_')}-{rep if rep >= 0 else 'long'}"
             what = f"repetition {rep + 1}/{args.reps}" if rep >= 0 else f"{2 * args.steps} steps, for the outside clock"
             print(f"== {name} ({what})", flush=True)
-            rc, wall = run_one(args, [*common, *steps, *configs[name]], run_root, cluster)
+            rc, wall = run_one(args, configs[name], [*common, *steps], run_root, cluster)
             if rc != 0:
                 print(f"error: {name} failed with exit code {rc}", file=sys.stderr)
                 return rc
