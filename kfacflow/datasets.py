@@ -52,8 +52,8 @@ def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     takes about a second of CPU in every worker of every run, most of a small run's start.
     """
     spec = importlib.util.find_spec("sklearn")
-    folders = list(spec.submodule_search_locations or []) if spec is not None else []
-    path = next((Path(f) / "datasets" / "data" / "digits.csv.gz" for f in folders), None)
+    folders = spec.submodule_search_locations if spec is not None else None
+    path = Path(folders[0]) / "datasets" / "data" / "digits.csv.gz" if folders else None
     if path is None or not path.is_file():  # another layout: scikit-learn's own loader
         from sklearn.datasets import load_digits
 

@@ -15,7 +15,8 @@ of the recipe, on the model unwrapped (kfacflow averages the gradients after the
 recipes do), so the same loop times both libraries; ``--library sgd`` is the loop without one.
 
 Each step is timed from the batch on the device to the cleared gradients (a CUDA device is
-synchronized there), the span ``run.py``'s step timer covers; rank 0 writes one ``{"step",
+synchronized there): ``run.py``'s step timer also counts the batch's copy to the device (nothing on
+the CPU) and its per-step checks; rank 0 writes one ``{"step",
 "total"}`` line per step to ``timings.jsonl`` in ``out_dir/name/<timestamp>/``, where
 ``tools/bench.py`` reads it, and prints the mean after ``train.timing_warmup`` steps.
 
