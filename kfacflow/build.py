@@ -250,6 +250,7 @@ def stages(cfg: KFACConfig, names: Stages, profile: Profile | None) -> StageSet:
         broadcast=registry.BROADCASTS.get(names.broadcast),
         factor_sync=registry.FACTOR_SYNCS.get(names.factor_sync),
         grad_sync=registry.GRAD_SYNCS.get(names.grad_sync),
+        factor_exchange=names.factor_exchange,
     )
 
 

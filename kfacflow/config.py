@@ -294,6 +294,12 @@ class KFACConfig:
     factor once per period of ``inv_update_freq`` steps, at a factor update of its own, the inversions spread so
     that every factor update carries an equal share (per rank); every inverse is at most one period old, as with
     ``all``, but refreshed on a different step (not step for step the same as ``all``)."""
+    factor_exchange: Optional[Literal["update", "inversion"]] = None
+    """When factors are summed over ranks. ``update`` (the paper's D, MPD and SPD): at every factor update.
+    ``inversion`` (``flow``'s): only at the steps that invert; between them each rank sums its own factors,
+    decayed (thin factors as their rows), and an exchange sends that sum. The running averages are linear in the
+    factors, so every inverse is the same, to round-off, as with ``update``; factor traffic falls by
+    ``inv_update_freq / factor_update_freq`` (nothing changes where that is 1). Empty takes the variant's."""
     fusion_threshold_mb: float = field(default=64.0, metadata=above(0, "MiB"))
     """Fusion buffer of the ``threshold`` policy, in MiB (Horovod's default); the same as ``options.threshold.mb``."""
     options: dict[str, Any] = field(default_factory=dict)

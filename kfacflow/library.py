@@ -97,8 +97,9 @@ class KFACPreconditioner:
             the batch (G undoes the batch-mean loss's ``1/N``); 1 for a model that takes
             ``(S, N, ...)`` inputs (``batch_first=False``).
         **kfac: Any other ``kfac.*`` recipe key: ``fusion``, ``placement``, ``inverse``,
-            ``pipeline``, ``broadcast``, ``grad_sync``, ``factor_sync``, ``factor``, ``factor_decay``,
-            ``kl_clip``, ``inverse_schedule``, ``skip`` (fnmatch patterns of module names), ``profile_steps`` ...
+            ``pipeline``, ``broadcast``, ``grad_sync``, ``factor_sync``, ``factor_exchange``, ``factor``,
+            ``factor_decay``, ``kl_clip``, ``inverse_schedule``, ``skip`` (fnmatch patterns of module names),
+            ``profile_steps`` ...
 
     Raises:
         UserError: A bad argument (named, with the accepted values), or no layer to precondition.

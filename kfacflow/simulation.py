@@ -119,7 +119,8 @@ def simulate(
         gathers: Whether it gathers from several owners at once: :attr:`~kfacflow.comm.base.Backend.gathers`.
         reduces: Whether it reduces to one rank (Horovod does not, nor gloo with CUDA tensors):
             :attr:`~kfacflow.comm.base.Backend.reduces`.
-        factors: Whether the step updates factors (``kfac.factor_update_freq``).
+        factors: Whether the step updates factors (``kfac.factor_update_freq``); with
+            ``kfac.factor_exchange=inversion`` only a step that inverts sends them.
         inverting: Whether it inverts (``kfac.inv_update_freq``), or which turn of a staggered period it is
             (``kfac.inverse_schedule=staggered``: the factors of that turn); :func:`period` takes the mean.
     """
@@ -129,6 +130,8 @@ def simulate(
     caps, sync = EngineCaps(reduces, scatters, gathers), registry.GRAD_SYNCS.get(stages.grad_sync)
     kfac = kfac or KFACConfig()
     step, launches, elements = _passes(layers, prof, workers, stages, use_measured, kfac, caps, factors)
+    if stages.factor_exchange == "inversion" and not inverting:
+        launches = []  # the factors stay in each rank's sums until a step that inverts
     if isinstance(inverting, Turn):
         turns = stagger(step.plan.dims, step.plan.owners, workers, inverting.of)
         step.inverted = frozenset(k for k, turn in zip(step.keys, turns, strict=True) if turn == inverting.index)

@@ -786,6 +786,7 @@ def test_explicit_stage_wins_in_summary(tmp_path: Path) -> None:
         "broadcast": "packed",
         "grad_sync": "overlap",
         "factor_sync": "allreduce",
+        "factor_exchange": "update",
         "choose": False,
     }
     assert summary["variant"] == "spd" and summary["steps"] == 2

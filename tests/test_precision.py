@@ -55,8 +55,12 @@ def test_bf16_amp_trains_the_quickstart_and_keeps_factors_in_float32(tmp_path: P
 def test_d_mpd_spd_and_flow_agree_under_bf16_amp(tmp_path: Path) -> None:
     # flow with its own inverse method (Cholesky factors) differs from the explicit inverses by float32
     # round-off amplified by the factors' condition (float64: tests/test_stage_equivalence.py); here it
-    # inverts as the others do, so that every difference left would be one of order, routing or overlap.
+    # inverts as the others do, and exchanges factors at every update as they do, so that every difference
+    # left would be one of order, routing or overlap. Its own exchange (only where it inverts, thin factors
+    # from their rows) sums the same factors in another order: float32 round-off, amplified as above.
     runs = {v: ["train.amp=bf16", f"kfac.variant={v}", "kfac.inverse=cholesky"] for v in ("d", "mpd", "spd", "flow")}
+    runs["flow"].append("kfac.factor_exchange=update")
+    runs["flow_exchange"] = ["train.amp=bf16", "kfac.variant=flow", "kfac.inverse=cholesky"]
     runs["fp32"] = ["kfac.variant=d"]
     with ThreadPoolExecutor(max_workers=2) as pool:  # each launch is mostly start-up
         futures = {k: pool.submit(_run, tmp_path / k, *extra, "data.batch_size=16") for k, extra in runs.items()}
@@ -64,6 +68,11 @@ def test_d_mpd_spd_and_flow_agree_under_bf16_amp(tmp_path: Path) -> None:
     for v in ("mpd", "spd", "flow"):
         for k, t in finals["d"].items():
             assert torch.allclose(finals[v][k], t, rtol=1e-4, atol=1e-6), (v, k, (finals[v][k] - t).abs().max())
+    for k, t in finals["d"].items():
+        assert torch.allclose(finals["flow_exchange"][k], t, rtol=1e-3, atol=1e-4), (
+            k,
+            (finals["flow_exchange"][k] - t).abs().max(),
+        )
     # The test can fail: bf16 really changed the training.
     assert any(t.is_floating_point() and not torch.allclose(t, finals["d"][k]) for k, t in finals["fp32"].items())
 

@@ -454,6 +454,13 @@ def test_simulated_inverse_period_matches_hand_computation() -> None:
     assert simulation.simulate(layers, prof, 2, d, inverting=simulation.Turn(1, 2))["total"] == pytest.approx(11.05)
     staggered = KFACConfig(inv_update_freq=2, inverse_schedule="staggered")
     assert simulation.period(layers, prof, 2, d, kfac=staggered)["total"] == pytest.approx((10.05 + 11.05) / 2)
+    # Factors summed only where inverted (kfac.factor_exchange=inversion): a step that updates factors and does
+    # not invert launches nothing, so it is the plain step plus the hooks' work; the inverting step is unchanged.
+    local, two = replace(d, factor_exchange="inversion"), KFACConfig(inv_update_freq=2)
+    held = simulation.simulate(layers, prof, 2, local, kfac=two, inverting=False)
+    assert held["FactorComm"] == 0 and held["total"] < factors_only["total"]
+    assert simulation.simulate(layers, prof, 2, local, kfac=two) == full
+    assert simulation.period(layers, prof, 2, local, kfac=two)["total"] == pytest.approx((14.05 + held["total"]) / 2)
 
 
 def test_auto_compares_the_presets_over_the_recipes_inverse_period(caplog: pytest.LogCaptureFixture) -> None:

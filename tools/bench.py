@@ -8,6 +8,7 @@
     python tools/bench.py recipes/resnet18_synthetic.yaml --ablation rare --intervals 10/100 --cluster  # 10/100 options
     python tools/bench.py recipes/resnet18_synthetic.yaml --intervals 1/10 --cluster   # inverses every 10 steps
     python tools/bench.py recipes/resnet18_synthetic.yaml --ablation libraries --intervals 1/10 --cluster  # libraries
+    python tools/bench.py recipes/resnet18_synthetic.yaml --ablation exchange --intervals 1/10 --cluster  # exchange
 
 Each configuration runs ``--steps`` steps; the first ``--warmup`` (which must cover the optimal
 fusion's profiling) are discarded and the median of the rest is the step time. With
@@ -98,6 +99,12 @@ CONFIGS: dict[str, dict[str, list[str]]] = {
             "--method=inverse",
             "--symmetry-aware",
         ],
+    },
+    "exchange": {  # factors summed over ranks at every factor update, or only at the steps that invert
+        "sgd": ["kfac.variant=sgd"],
+        "flow+rows": ["kfac.variant=flow", "kfac.precondition=rows", "kfac.factor_exchange=update"],
+        "+exchange": ["kfac.variant=flow", "kfac.precondition=rows", "kfac.factor_exchange=inversion"],
+        "kfac-pytorch mem-opt": [LOOP, "--library=kfac-pytorch", "--strategy=mem-opt", "--method=inverse"],
     },
     "fig10": {
         "Naive": ["kfac.variant=spd", "kfac.fusion=naive"],
@@ -256,6 +263,7 @@ def table(results: dict[str, dict[str, Any]], ablation: str) -> str:
         "flow": ("SPD-KFAC", None),
         "rare": ("flow+rows", None),
         "libraries": ("flow+rows", "loop flow+rows"),
+        "exchange": ("flow+rows", None),
     }[ablation]
     wide = max(12, *(len(n) for n in names))
     head = f"{'config':<{wide}} {'s/step':>8} {'inside':>8} {'outside':>8} {'gap':>6} "
@@ -276,6 +284,10 @@ def table(results: dict[str, dict[str, Any]], ablation: str) -> str:
     pairs = [("flow", ref) for ref in ("D-KFAC", "SPD-KFAC")] + pairs if ablation == "variants" else pairs
     if ablation == "libraries":  # kfacflow against each of kfac-pytorch's configurations
         pairs = [(ours, theirs) for ours in base if ours for theirs in names if theirs.startswith("kfac-pytorch")]
+    elif ablation == "exchange":
+        ours = [n for n in names if n != "sgd" and not n.startswith("kfac-pytorch")]
+        theirs = [n for n in names if n.startswith("kfac-pytorch")]
+        pairs = [("+exchange", "flow+rows")] + [(a, b) for a in ours for b in theirs]
     elif ablation != "variants":
         pairs += [(names[-1], ref) for ref in base if ref]
     for best, ref in pairs:

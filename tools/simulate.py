@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +121,13 @@ def main(argv: list[str] | None = None) -> int:
         help="kfac.inverse_schedule: every factor inverted on one step of the period, or each at a turn of its own",
     )
     p.add_argument(
+        "--factor-exchange",
+        choices=("update", "inversion"),
+        default=None,
+        help="kfac.factor_exchange for every variant: factors summed over ranks at every factor update, or only at "
+        "the steps that invert (default: each variant's own; flow's is inversion)",
+    )
+    p.add_argument(
         "--engine",
         choices=sorted(ENGINES),
         default="nccl",
@@ -140,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     every = read_intervals(args.intervals)
     kfac.factor_update_freq, kfac.inv_update_freq = every
     kfac.inverse_schedule = args.inverse_schedule
+    if args.factor_exchange is not None:
+        chosen = {v: replace(stages, factor_exchange=args.factor_exchange) for v, stages in chosen.items()}
     try:
         layers = scale_compute(average([json.loads(Path(f).read_text()) for f in args.layers]), args.compute_scale)
     except ValueError as e:

@@ -32,6 +32,8 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from kfacflow import UserError
+from kfacflow.kfac.exchange import Contribution, Rows
+from kfacflow.kfac.factors import ExpandFactors
 from kfacflow.kfac.layers import KFACLayer
 from kfacflow.kfac.packing import pack
 from kfacflow.kfac.stages import FactorStage
@@ -42,9 +44,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Sum:
-    """``sum_i w_i t_i`` over packed factors; a single contribution is kept unscaled (no rounding)."""
+    """``sum_i w_i t_i`` over packed factors; a single contribution is kept unscaled (no rounding).
 
-    value: Tensor
+    A single contribution may be a factor's rows (:class:`~kfacflow.kfac.exchange.Rows`): only one is
+    handed over that way (a layer called once a step).
+    """
+
+    value: Any
     weight: float
     total_weight: float = 0.0
     parts: int = 1
@@ -52,8 +58,9 @@ class _Sum:
     def __post_init__(self) -> None:
         self.total_weight = self.weight
 
-    def add(self, value: Tensor, weight: float) -> None:
+    def add(self, value: Contribution, weight: float) -> None:
         """Add ``weight * value``."""
+        assert isinstance(value, Tensor) and isinstance(self.value, Tensor), "rows come only from a single call"
         if self.parts == 1:
             self.value = self.value * self.weight
         self.value.add_(value, alpha=weight)
@@ -102,12 +109,12 @@ class _LayerCapture:
     calls_seen: list[int] = field(default_factory=list)
     """Forward calls of every finished micro-batch (the first step learns ``uses`` from it)."""
 
-    def a_factor(self) -> Tensor:
+    def a_factor(self) -> Contribution:
         """A over every row of the step."""
         assert self.a is not None
         return self.a.value if self.a.parts == 1 else self.a.value / self.a.total_weight
 
-    def g_factor(self) -> Tensor:
+    def g_factor(self) -> Contribution:
         """G as one batch of all the step's examples gives it (each part was added with weight 1/N)."""
         assert self.g is not None
         return self.g.value if self.g.parts == 1 else self.g.value * self.examples
@@ -117,6 +124,11 @@ def _input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor | None:
     """The input of a Linear or Conv2d call, by position or as ``input=`` (None: the module's forward will say)."""
     x = args[0] if args else kwargs.get("input")
     return x if isinstance(x, Tensor) else None
+
+
+def _own(rows: Tensor, source: Tensor) -> Tensor:
+    """``rows``, copied where they view ``source``: held until an exchange, they must not follow a reused buffer."""
+    return rows.clone() if rows.untyped_storage().data_ptr() == source.untyped_storage().data_ptr() else rows
 
 
 def _full_precision(t: Tensor) -> torch.autocast:
@@ -146,7 +158,7 @@ class Capture:
         self,
         layers: list[KFACLayer],
         factors: FactorStage,
-        push: Callable[[str, Tensor], None],
+        push: Callable[[str, Any], None],
         timer: StepTimer,
         accumulate: int = 1,
         dtype: torch.dtype = torch.float32,
@@ -159,6 +171,16 @@ class Capture:
         self._packs_a = _offers(factors, "a_factor_packed", "a_factor_rows")
         """Whether the stage computes A's packed triangle itself (and ``_packs_g``, G's)."""
         self._packs_g = _offers(factors, "g_factor_packed", "g_factor")
+        self._rows_are_factors = isinstance(factors, ExpandFactors) and all(
+            getattr(type(factors), name) is getattr(ExpandFactors, name)
+            for name in ("a_factor_packed", "g_factor_packed", "a_factor_rows", "g_factor")
+        )
+        """Whether the stage's factors are the Gram matrices of its ``a_rows`` and ``g_rows`` (the shipped ones)."""
+        self.takes_rows: Callable[[str, int, int], bool] | None = None
+        """Where ``push`` takes a factor as its rows (:class:`~kfacflow.kfac.exchange.Rows`): whether it takes
+        ``rows`` more of the ``width``-wide factor ``key`` (``kfac.factor_exchange=inversion``); ``None``: never."""
+        self._row_counts: dict[str, int] = {}
+        """Each layer's rows at its last capture (A's and G's are as many)."""
         self.push = push
         self.timer = timer
         self.accumulate = accumulate
@@ -224,7 +246,7 @@ class Capture:
                     f"(add {layer.name!r} to kfac.skip)."
                 )
             with torch.no_grad(), _full_precision(x), self.timer.span("FactorComp", f"{layer.name}/A", "factor"):
-                packed, rows = self._a_packed(module, layer.layer_input(x.to(self.dtype)))
+                packed, rows = self._a_part(layer, module, layer.layer_input(x.to(self.dtype)))
             if cap.a is None:
                 cap.a = _Sum(packed, float(rows))
             else:
@@ -253,7 +275,7 @@ class Capture:
                 if layer.name not in self._g_order:
                     self._g_order.append(layer.name)
                 with torch.no_grad(), _full_precision(grad), self.timer.span("FactorComp", f"{layer.name}/G", "factor"):
-                    packed = self._g_packed(module, self._unscaled(grad), batch)
+                    packed = self._g_part(layer, module, self._unscaled(grad), batch)
                 if cap.g is None:
                     cap.g = _Sum(packed, 1.0 / batch)
                 else:
@@ -267,6 +289,36 @@ class Capture:
 
     def _examples(self, x: Tensor) -> int:
         return self.examples if self.examples is not None else x.shape[0]
+
+    def _as_rows(self, layer: KFACLayer, side: str, width: int) -> bool:
+        """Whether this step hands a factor over as its rows (a layer called once, one micro-batch, 32 bits or more)."""
+        rows = self._row_counts.get(layer.name)
+        return (
+            self.takes_rows is not None
+            and self._rows_are_factors
+            and rows is not None
+            and self.accumulate == 1
+            and self.uses is not None
+            and self.uses.get(layer.name) == 1
+            and self.dtype.itemsize >= 4
+            and self.takes_rows(f"{layer.name}/{side}", rows, width)
+        )
+
+    def _a_part(self, layer: KFACLayer, module: nn.Module, x: Tensor) -> tuple[Contribution, int]:
+        """A's packed triangle, or its rows where they are taken, and the row count."""
+        if self._as_rows(layer, "A", layer.a_dim):
+            a = _own(self.factors.a_rows(module, x), x)  # type: ignore[attr-defined]
+            self._row_counts[layer.name] = a.shape[0]
+            return Rows(a, 1.0 / a.shape[0]), a.shape[0]
+        packed, rows = self._a_packed(module, x)
+        self._row_counts[layer.name] = rows
+        return packed, rows
+
+    def _g_part(self, layer: KFACLayer, module: nn.Module, grad: Tensor, batch: int) -> Contribution:
+        """G's packed triangle, or its rows (``batch * gᵀg``) where they are taken."""
+        if self._as_rows(layer, "G", layer.g_dim):
+            return Rows(_own(self.factors.g_rows(module, grad), grad), float(batch))  # type: ignore[attr-defined]
+        return self._g_packed(module, grad, batch)
 
     def _a_packed(self, module: nn.Module, x: Tensor) -> tuple[Tensor, int]:
         """A's packed triangle and row count; straight from a stage that computes the triangle alone."""
@@ -290,8 +342,7 @@ class Capture:
 
     def _send(self, layer: KFACLayer, side: str, cap: _LayerCapture) -> None:
         factor = cap.a_factor() if side == "A" else cap.g_factor()
-        with self.timer.span("FactorComm"):
-            self.push(f"{layer.name}/{side}", factor)
+        self.push(f"{layer.name}/{side}", factor)  # the communicator times its part as FactorComm
         if side == "A":
             cap.a_sent = True
         else:

@@ -24,7 +24,7 @@ def state_of(pre: Step) -> dict[str, Any]:
     checkpoint (rank 0's) holds them all.
     """
     inverses = pre.stages.broadcast.every_inverse(pre)
-    running = pre.stages.factor_sync.every_average(pre)
+    running = pre.every_average()
     return {
         "steps": pre.steps,
         "factors": dict(running),

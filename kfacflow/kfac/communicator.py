@@ -121,7 +121,14 @@ class Communicator:
         return self.policy.plan
 
     def push(self, key: str, packed: Tensor) -> None:
-        """Take one local packed factor; launch what the policy says."""
+        """Take one local packed factor; launch what the policy says (timed as ``FactorComm``)."""
+        if self.timer is None:
+            self._push(key, packed)
+            return
+        with self.timer.span("FactorComm"):
+            self._push(key, packed)
+
+    def _push(self, key: str, packed: Tensor) -> None:
         if packed.is_cuda and self._measuring:  # a ready time is when the factor is computed, not queued
             torch.cuda.synchronize(packed.device)
         now = time.perf_counter()

@@ -51,7 +51,7 @@ def follow_model(pre: Step, was: Sequence[tuple[bool, bool]]) -> tuple[list[KFAC
         raise UserError(
             "kfac: every layer K-FAC preconditions is frozen now; remove() the preconditioner (or train some)."
         )
-    pre.running = pre.stages.factor_sync.every_average(pre)  # collective where owners alone keep theirs
+    pre.running = pre.every_average()  # collective where owners alone keep theirs, or ranks hold sums
     for layer, (_, had_bias), (weight, bias) in changed:
         a_key = f"{layer.name}/A"
         pre.inverses.pop(a_key, None)

@@ -14,7 +14,8 @@ from kfacflow.comm.base import Backend
 from kfacflow.config import KFACConfig
 from kfacflow.kfac.capture import Capture
 from kfacflow.kfac.checkpoint import check_factors, check_layers, restored, state_of
-from kfacflow.kfac.communicator import Communicator
+from kfacflow.kfac.communicator import Communicator, FusedSum
+from kfacflow.kfac.exchange import LocalSums
 from kfacflow.kfac.finite import FiniteFlags, blend
 from kfacflow.kfac.follow import follow_model
 from kfacflow.kfac.inverse import Inverse, invert_all
@@ -102,10 +103,13 @@ class Preconditioner:
         self.factor_dtype, self.inverse_dtype = dtypes(cfg, next(self.layers[0].module.parameters()).dtype)
         self.comm = Communicator(backend, stages.fusion, self.timer)
         self.capture = Capture(self.layers, stages.factor, self.comm.push, self.timer, accumulate, self.factor_dtype)
+        self.schedule = Schedule(cfg)
+        self.local: LocalSums | None = None
+        """With ``kfac.factor_exchange=inversion``: this rank's sums of its factors between exchanges."""
+        self._local_sums()
         self.batch_dim = batch_dim
         self.rows = RowCapture(self.layers, backend, _rows_pay(stages), self.inverse_dtype, self.capture, self.timer)
         self.hooks = ForwardHooks(model, self, backend.device)
-        self.schedule = Schedule(cfg)
         self.running: dict[str, Tensor] = {}
         """Running averages of the factors, packed (upper triangles): half the memory and work."""
         self.inverses: dict[str, Inverse] = {}
@@ -122,7 +126,7 @@ class Preconditioner:
         Collective where the old stages kept each running average on its owner alone: every
         rank takes every average first, since the new placement may name other owners.
         """
-        self.running = self.stages.factor_sync.every_average(self)
+        self.running = self.every_average()
         self.stages = stages
         self.rows.pays = _rows_pay(stages)
         self.profile = profile or self.profile
@@ -132,7 +136,23 @@ class Preconditioner:
         """A new communicator (the fusion's groups start again) and a new plan."""
         self.comm = Communicator(self.backend, self.stages.fusion, self.timer)
         self.capture.push = self.comm.push
+        self._local_sums(self.local.started if self.local is not None else set(self.running))
         self._plan()
+
+    def _local_sums(self, started: set[str] | None = None) -> None:
+        """Route the capture's factors through this rank's sums where factors are exchanged only to invert."""
+        if self.local is not None and self.local.sums:
+            raise RuntimeError("K-FAC: local factor sums replaced before they were exchanged (settle() first)")
+        if self.stages.factor_exchange != "inversion":
+            self.local, self.capture.takes_rows = None, None
+            return
+        decay = lambda: self.cfg.factor_decay  # noqa: E731
+        self.local = LocalSums(decay, self.comm.push, self._exchanges, started, self.timer)
+        self.capture.push, self.capture.takes_rows = self.local.push, self.local.takes_rows
+
+    def _exchanges(self) -> bool:
+        """Whether this step sums factors over ranks (every factor update, or only where it inverts)."""
+        return self.schedule.factors() and (self.local is None or self.schedule.inverts())
 
     def _plan(self, ready: dict[str, float] | None = None) -> None:
         """Make a slot per factor of :attr:`layers` and the step's :class:`~kfacflow.kfac.plan.StepPlan`.
@@ -188,6 +208,8 @@ class Preconditioner:
         """If the trained layers changed since the plan, plan again and refresh all now (:func:`.follow_model`)."""
         if trained(self.layers) != self._trained:
             self.layers, changes = follow_model(self, self._trained)
+            if self.local is not None:  # every rank holds every average here (follow_model settled them)
+                self.local.started = set(self.running)
             message = "K-FAC follows the model: %s; planned again, every factor and inverse refreshed at step %d"
             logger.info(message, changes, self.steps)
             self._restart()
@@ -199,7 +221,7 @@ class Preconditioner:
 
         Calling it again for the same pass does nothing.
         """
-        if self.schedule.factors() and self.capture.end_forward():
+        if self.schedule.factors() and self.capture.end_forward() and self._exchanges():
             with self.timer.span("FactorComm"):
                 self.comm.end_forward()
 
@@ -217,6 +239,10 @@ class Preconditioner:
         arrivals = self._arrivals(gradients)
         self.rows.post(self.layers)  # behind the factors on the link
         sent = self.stages.pipeline.run(self, arrivals, self.schedule.inverts())
+        if self.local is not None and self._exchanges():
+            self.local.exchanged()
+        elif self.local is not None:
+            self.local.commit()
         self._precondition(lr, sent, gradients)
         self.finite.copy()
         self._next_step()
@@ -227,6 +253,8 @@ class Preconditioner:
             pass
         if gradients is not None:
             gradients.wait()
+        if self.local is not None:
+            self.local.drop()
         self._next_step(refreshed=False)
 
     def set_intervals(self, factor_update_freq: int, inv_update_freq: int) -> None:
@@ -250,13 +278,18 @@ class Preconditioner:
             gradients.route(self.grad_owned)
         if not self.schedule.factors():
             return iter(())
+        exchanges = self._exchanges()
         with self.timer.span("FactorComm"):
             dropped = self.capture.finish()
-            self.comm.end_backward()
+            if exchanges:
+                self.comm.end_backward()
             if gradients is not None:
                 gradients.launch()  # behind every factor on the link
         if dropped:
             self._keep_layers({layer.name for layer in self.capture.layers})
+        if not exchanges:  # the factors stay in this rank's sums (kfac.factor_exchange=inversion)
+            self.capture.reset()
+            return iter(())
         return self._averaged()
 
     def _averaged(self) -> Iterator[dict[str, Tensor]]:
@@ -287,14 +320,38 @@ class Preconditioner:
             for key in self.keys:
                 if key in averaged and (self.held is None or key in self.held):
                     finite = self.finite.check(key, self.steps, averaged[key])
-                    blend(self.running, key, averaged[key], finite, self.cfg.factor_decay)
+                    if self.local is not None:
+                        self.local.blend(self.running, key, averaged[key], finite)
+                    else:
+                        blend(self.running, key, averaged[key], finite, self.cfg.factor_decay)
         return list(averaged)
+
+    def settle(self) -> None:
+        """Exchange the factor sums ranks hold since the last exchange now (collective; between steps).
+
+        Only with ``kfac.factor_exchange=inversion``; afterwards the running averages are what
+        ``update`` would have made by this step. Every rank holds the same keys, so every rank takes
+        the same branch.
+        """
+        if self.local is None or not self.local.sums:
+            return
+        items = self.local.held(self.keys)
+        averaged = FusedSum(self.backend, items, self.timer).wait()
+        self.average(averaged)
+        self.finite.copy()
+        self.local.exchanged()
+
+    def every_average(self) -> dict[str, Tensor]:
+        """Every running average, up to date, on this rank (collective: :meth:`settle`, then the factor sync's)."""
+        self.settle()
+        return self.stages.factor_sync.every_average(self)
 
     @property
     def factors(self) -> dict[str, Tensor]:
         """The running averages as full symmetric matrices (for inspection; the step keeps them packed).
 
-        With ``kfac.factor_sync=owner``, this rank's only (:meth:`state_dict` has every one).
+        With ``kfac.factor_sync=owner``, this rank's only (:meth:`state_dict` has every one); with
+        ``kfac.factor_exchange=inversion``, as of the last exchange (:meth:`settle`).
         """
         dims = {slot.key: slot.dim for slot in self.slots}
         return {k: unpack(v, dims[k]) for k, v in self.running.items()}
@@ -355,6 +412,8 @@ class Preconditioner:
             lambda key: self.stages.broadcast.holds(owners.get(key), self.backend.rank),
         )  # fmt: skip
         self._keep_held()
+        self.local = None
+        self._local_sums(set(state["factors"]))
         self.capture.active = self.schedule.factors()
 
     def remove(self) -> None:

@@ -314,6 +314,8 @@ class Variant:
     broadcast: str = "packed"
     grad_sync: str = "overlap"
     factor_sync: str = "allreduce"
+    factor_exchange: str = "update"
+    """When factors are summed over ranks: ``update`` or ``inversion`` (:mod:`kfacflow.kfac.exchange`)."""
     choose: bool = False
     """Start with these stages, then simulate every preset on a traced step and keep the fastest."""
 

@@ -105,6 +105,10 @@ class Step(Protocol):
         """Blend arrived factors into their running averages; return their keys."""
         ...
 
+    def every_average(self) -> dict[str, Tensor]:
+        """Every running average, up to date, on this rank (collective)."""
+        ...
+
     def invert(self, batch: list[FactorSlot]) -> None:
         """Invert the factors of ``batch`` this rank inverts."""
         ...
@@ -248,6 +252,8 @@ class StageSet:
     broadcast: Broadcast
     factor_sync: FactorSync
     grad_sync: GradSync
+    factor_exchange: str = "update"
+    """When factors are summed over ranks (``kfac.factor_exchange``): ``update`` or ``inversion``."""
 
 
 def choice_of(stages: StageSet) -> Choice:

@@ -34,6 +34,7 @@ def resolve(cfg: KFACConfig) -> Stages:
         placement=cfg.placement or v.placement,
         inverse=cfg.inverse or v.inverse,
         preconditioned=v.preconditioned,
+        factor_exchange=cfg.factor_exchange or v.factor_exchange,
         choose=v.choose,
         **chosen,
     )
@@ -52,10 +53,12 @@ VARIANTS.add(
         broadcast="fused_update",
         grad_sync="owner",
         factor_sync="owner",
+        factor_exchange="inversion",
     ),
     "past the paper: SPD's fusion with large factors sent alone, whole layers to owners who precondition "
     "and send the update (in buckets where start-ups dominate), each factor and gradient reduced to its owner "
-    "alone, Cholesky factors, inversion as factors arrive, gradients behind the inversions",
+    "alone, Cholesky factors, inversion as factors arrive, gradients behind the inversions, factors summed "
+    "over ranks only where inverted",
 )
 VARIANTS.add(
     "auto",
