@@ -4,7 +4,8 @@ By hand: the decayed sums a rank keeps and the keeper's blend. On 2 gloo workers
 parameters and inverses as with ``update`` (the paper's exchange at every factor update), to
 float64 round-off, for a preset that all-reduces factors and for one that reduces each to its
 owner; collectives only on the steps that invert; a checkpoint between exchanges settles the sums
-(and training goes on as before).
+(and training goes on as before, or resumes from it as the uninterrupted run); held rows of a reused
+input buffer are those of their own step.
 """
 
 from __future__ import annotations
@@ -202,3 +203,45 @@ def _reused_buffer_body(rank: int, world: int) -> dict[str, list[torch.Tensor]]:
 def test_rows_held_from_a_reused_input_buffer_are_the_ones_of_their_step() -> None:
     (run,) = run_in_gloo(_reused_buffer_body, 1, timeout=120)
     _close(run["inversion"], run["update"], "a Linear fed from one buffer")
+
+
+def _resume_body(rank: int, world: int) -> dict[str, list[torch.Tensor]]:
+    backend = TorchBackend(DistConfig(device="cpu"))
+    cfg = dict(**VARIANTS["owners"], damping=0.01, kl_clip=0.01, inv_update_freq=4, factor_exchange="inversion")
+    data = list(batches(world, rank, 9))
+
+    def start() -> tuple[torch.nn.Module, Any, torch.optim.Optimizer]:
+        model = make_model()
+        return (
+            model,
+            build.preconditioner(model, KFACConfig(**cfg), backend, None),
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        )
+
+    try:
+        model, pre, opt = start()
+        for x, y in data:
+            kfac_sgd_step(backend.wrap_model(model), pre, opt, x, y)
+        pre.remove()
+        whole = [p.detach().clone() for p in model.parameters()]
+        model, pre, opt = start()
+        for x, y in data[:6]:  # stopped two steps after an exchange: sums held on every rank
+            kfac_sgd_step(backend.wrap_model(model), pre, opt, x, y)
+        saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "kfac": pre.state_dict()})
+        pre.remove()
+        model, pre, opt = start()
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        pre.load_state_dict(saved["kfac"])
+        for x, y in data[6:]:
+            kfac_sgd_step(backend.wrap_model(model), pre, opt, x, y)
+        pre.remove()
+        return {"whole": whole, "resumed": [p.detach().clone() for p in model.parameters()]}
+    finally:
+        backend.close()
+
+
+@pytest.mark.slow
+def test_a_checkpoint_between_exchanges_resumes_as_the_uninterrupted_run() -> None:
+    for run in run_in_gloo(_resume_body, 2, timeout=120):
+        _close(run["resumed"], run["whole"], "resumed between exchanges")
