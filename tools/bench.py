@@ -104,6 +104,12 @@ CONFIGS: dict[str, dict[str, list[str]]] = {
         "sgd": ["kfac.variant=sgd"],
         "flow+rows": ["kfac.variant=flow", "kfac.precondition=rows", "kfac.factor_exchange=update"],
         "+exchange": ["kfac.variant=flow", "kfac.precondition=rows", "kfac.factor_exchange=inversion"],
+        "+overlap": [  # with nothing else on the link between inversions, gradients averaged during backward
+            "kfac.variant=flow",
+            "kfac.precondition=rows",
+            "kfac.factor_exchange=inversion",
+            "kfac.grad_sync=overlap",
+        ],
         "kfac-pytorch mem-opt": [LOOP, "--library=kfac-pytorch", "--strategy=mem-opt", "--method=inverse"],
     },
     "fig10": {
