@@ -136,7 +136,7 @@ class Preconditioner:
         """A new communicator (the fusion's groups start again) and a new plan."""
         self.comm = Communicator(self.backend, self.stages.fusion, self.timer)
         self.capture.push = self.comm.push
-        self._local_sums(self.local.started if self.local is not None else set(self.running))
+        self._local_sums(set(self.running))  # both callers took every average onto every rank first
         self._plan()
 
     def _local_sums(self, started: set[str] | None = None) -> None:
@@ -208,8 +208,6 @@ class Preconditioner:
         """If the trained layers changed since the plan, plan again and refresh all now (:func:`.follow_model`)."""
         if trained(self.layers) != self._trained:
             self.layers, changes = follow_model(self, self._trained)
-            if self.local is not None:  # every rank holds every average here (follow_model settled them)
-                self.local.started = set(self.running)
             message = "K-FAC follows the model: %s; planned again, every factor and inverse refreshed at step %d"
             logger.info(message, changes, self.steps)
             self._restart()
