@@ -11,7 +11,7 @@ input buffer are those of their own step.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -100,7 +100,9 @@ def test_rows_held_between_exchanges_are_the_factors_they_make() -> None:
 STEPS = 10
 
 
-def _run(backend: TorchBackend, variant: dict[str, Any], exchange: str, intervals: tuple[int, int]) -> dict[str, Any]:
+def _run(
+    backend: TorchBackend, variant: dict[str, Any], exchange: Literal["update", "inversion"], intervals: tuple[int, int]
+) -> dict[str, Any]:
     """Train the test model; after each step its parameters and the launches so far; a checkpoint at step 4."""
     f, i = intervals
     cfg = KFACConfig(
@@ -166,8 +168,10 @@ def test_exchanging_only_to_invert_trains_as_every_update_does_on_two_workers() 
                 _close(b["params"], a["params"], f"{name} {f}/{i} step {step}")
             for state in ("mid", "final"):
                 _close(ours[state]["factors"], paper[state]["factors"], f"{name} {f}/{i} {state} factors")
-                inverses = [{k: ts for k, (_, ts) in run[state]["inverses"].items()} for run in (ours, paper)]
-                _close(*inverses, f"{name} {f}/{i} {state} inverses")
+                ours_inv, paper_inv = (
+                    {k: ts for k, (_, ts) in run[state]["inverses"].items()} for run in (ours, paper)
+                )
+                _close(ours_inv, paper_inv, f"{name} {f}/{i} {state} inverses")
             # Launches only where the step inverts (the checkpoint's one all-reduce is not the communicator's),
             # where the paper launches at every factor update.
             assert _launched(ours) == [s for s in range(STEPS) if s % i == 0], (name, f, i)
