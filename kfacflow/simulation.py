@@ -132,6 +132,7 @@ def simulate(
     step, launches, elements = _passes(layers, prof, workers, stages, use_measured, kfac, caps, factors)
     if stages.factor_exchange == "inversion" and not inverting:
         launches = []  # the factors stay in each rank's sums until a step that inverts
+    sync = sync.for_step(bool(launches))
     if isinstance(inverting, Turn):
         turns = stagger(step.plan.dims, step.plan.owners, workers, inverting.of)
         step.inverted = frozenset(k for k, turn in zip(step.keys, turns, strict=True) if turn == inverting.index)

@@ -256,7 +256,9 @@ class Trainer:
         self._buffers = [b.detach().clone() for b in self.model.buffers()]
         # On the device, read once the step is decided: a read per micro-batch would stall a GPU's queue.
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        sync = self.kfac.stages.grad_sync if self.kfac else registry.GRAD_SYNCS.get("overlap")
+        sync = registry.GRAD_SYNCS.get("overlap")
+        if self.kfac:  # a grad sync may average differently on a step that sends factors (kfac.grad_sync=between)
+            sync = self.kfac.stages.grad_sync.for_step(self.kfac.sends_factors())
         correct, samples = torch.zeros_like(loss_sum), 0
         for i, (x, y) in enumerate(batches):
             x = x.to(self.device, self.dtype, non_blocking=True, memory_format=self.memory_format)

@@ -229,7 +229,7 @@ MISTAKES = [
     ),
     pytest.param(
         [QUICK, "dist.backend=horovod", "launch.nproc=1", "kfac.variant=flow"],
-        ("kfac.grad_sync=owner", "dist.backend=torch", "kfac.grad_sync=overlap"),
+        ("kfac.grad_sync=between", "dist.backend=torch", "kfac.grad_sync=overlap"),
         id="deferred-gradients-under-horovod",
     ),
     pytest.param(

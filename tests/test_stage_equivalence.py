@@ -279,8 +279,9 @@ def test_factors_go_to_owners_only_where_no_inverse_is_sent() -> None:
     names = resolve(KFACConfig(variant="spd", factor_sync="owner"))
     with pytest.raises(UserError, match=r"kfac.factor_sync=owner .* kfac.broadcast=packed .* kfac.broadcast=update"):
         build.check_stages(names)
-    # So do the gradients: to their owners in flow, all-reduced behind the factors with a broadcast of inverses.
-    assert resolve(KFACConfig(variant="flow")).grad_sync == "owner"
+    # So do the gradients: as owner (where factors travel) in flow, all-reduced behind the factors with a broadcast
+    # of inverses.
+    assert resolve(KFACConfig(variant="flow")).grad_sync == "between"
     assert resolve(KFACConfig(variant="flow", broadcast="packed")).grad_sync == "deferred"
     with pytest.raises(UserError, match=r"kfac.grad_sync=owner .* kfac.broadcast=packed .* kfac.grad_sync=deferred"):
         build.check_stages(resolve(KFACConfig(variant="spd", grad_sync="owner")))

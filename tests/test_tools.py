@@ -461,6 +461,12 @@ def test_simulated_inverse_period_matches_hand_computation() -> None:
     assert held["FactorComm"] == 0 and held["total"] < factors_only["total"]
     assert simulation.simulate(layers, prof, 2, local, kfac=two) == full
     assert simulation.period(layers, prof, 2, local, kfac=two)["total"] == pytest.approx((14.05 + held["total"]) / 2)
+    # grad_sync=between: the held step's gradients as overlap's (DDP's buckets in backward), the exchanging
+    # step's behind its factors, as deferred's (owner's at P = 2): 13.65 s, worked out in the deferred test.
+    between = replace(local, grad_sync="between")
+    assert simulation.simulate(layers, prof, 2, between, kfac=two, inverting=False) == held
+    assert simulation.simulate(layers, prof, 2, between, kfac=two)["total"] == pytest.approx(13.65)
+    assert simulation.period(layers, prof, 2, between, kfac=two)["total"] == pytest.approx((13.65 + held["total"]) / 2)
 
 
 def test_auto_compares_the_presets_over_the_recipes_inverse_period(caplog: pytest.LogCaptureFixture) -> None:

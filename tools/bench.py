@@ -19,7 +19,9 @@ median would hide the inversion steps. An outside clock
 checks it: every configuration also runs once with twice the steps, and the difference of the two
 runs' wall times (start-up, calibration and warm-up cancel) over the extra steps ("outside") is
 printed beside the same difference of the runs' step times ("inside"), with the gap: time the step
-timer misses shows there. Repetitions are interleaved (d, mpd, spd, d, mpd, spd, ...) so that slow
+timer misses shows there. No run evaluates or checkpoints before its end (a run twice as long would
+otherwise cross an epoch's end the short one does not, and count its evaluation and checkpoint as steps).
+Repetitions are interleaved (d, mpd, spd, d, mpd, spd, ...) so that slow
 drifts of the machine hit every variant alike. One performance profile is measured first (or given
 with ``--profile``) and shared by all runs, so plans and placements are the same in every
 repetition. Timing claims about pipelining belong on the emulated cluster (``--cluster``): on plain
@@ -109,6 +111,12 @@ CONFIGS: dict[str, dict[str, list[str]]] = {
             "kfac.precondition=rows",
             "kfac.factor_exchange=inversion",
             "kfac.grad_sync=overlap",
+        ],
+        "+between": [  # ... only on the steps that exchange no factors; on those that do, behind the factors
+            "kfac.variant=flow",
+            "kfac.precondition=rows",
+            "kfac.factor_exchange=inversion",
+            "kfac.grad_sync=between",
         ],
         "kfac-pytorch mem-opt": [LOOP, "--library=kfac-pytorch", "--strategy=mem-opt", "--method=inverse"],
     },
@@ -215,6 +223,10 @@ def every(text: str) -> tuple[int, int]:
     if factor < 1 or inverse < 1 or inverse % factor:
         raise SystemExit(f"error: --intervals {text}: both >= 1, and I a multiple of F")
     return factor, inverse
+
+
+NEVER = 10**9
+"""An interval (steps, epochs) no benchmark run reaches."""
 
 
 def intervals(text: str | None, steps: int, warmup: int) -> tuple[list[str], int, int]:
@@ -350,7 +362,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    common = [f"train.timing_warmup={args.warmup}", "train.checkpoint_every=0", *every]
+    # Neither run stops at an epoch's end (an evaluation, a K-FAC checkpoint of hundreds of MB): a run twice
+    # as long would cross one where the short run does not, and the outside clock would count it as steps.
+    # Each run still evaluates and checkpoints once, at its end.
+    common = [f"train.timing_warmup={args.warmup}", f"train.checkpoint_every={NEVER}", f"train.eval_every={NEVER}"]
+    common += ["train.eval_every_steps=0", *every]
     cluster = None
     if args.cluster:
         sys.path.insert(0, str(ROOT / "tools"))

@@ -184,7 +184,25 @@ class Owner(Deferred):
         return replace(choice, grad_to_owner=True)
 
 
-GRAD_SYNCS.add("overlap", Overlap(), "gradients all-reduced during backward (DDP, Horovod)")
+class Between(Owner):
+    """As owner on a step whose factors travel after its backward pass; between those steps, as overlap.
+
+    With ``kfac.factor_exchange=inversion`` the link is idle during most steps' backward passes, so
+    their gradients go there, as DDP's buckets; a step that exchanges factors sends its gradients
+    behind them. The trainer asks :meth:`for_step` each step; the library, which does not wrap the
+    model, averages after the backward pass every step (as owner).
+    """
+
+    does = "averages the gradients after the backward pass of a step that exchanges factors"
+
+    def for_step(self, sends: bool) -> GradSync:
+        """Owner's behaviour where the step sends factors, overlap's elsewhere."""
+        return self if sends else OVERLAP
+
+
+OVERLAP = Overlap()
+
+GRAD_SYNCS.add("overlap", OVERLAP, "gradients all-reduced during backward (DDP, Horovod)")
 GRAD_SYNCS.add(
     "deferred",
     Deferred(),
@@ -195,4 +213,10 @@ GRAD_SYNCS.add(
     Owner(),
     "as deferred, but each owned layer's gradients reduced to its owner alone where that costs less "
     "(kfac.broadcast=update, three ranks or more)",
+)
+GRAD_SYNCS.add(
+    "between",
+    Between(),
+    "as owner on a step that exchanges factors, as overlap on the others (kfac.factor_exchange=inversion: "
+    "the link is free during most backward passes)",
 )

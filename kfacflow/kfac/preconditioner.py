@@ -154,6 +154,10 @@ class Preconditioner:
         """Whether this step sums factors over ranks (every factor update, or only where it inverts)."""
         return self.schedule.factors() and (self.local is None or self.schedule.inverts())
 
+    def sends_factors(self) -> bool:
+        """Whether this step's factors travel after its backward pass (what :meth:`.GradSync.for_step` is told)."""
+        return self._exchanges()
+
     def _plan(self, ready: dict[str, float] | None = None) -> None:
         """Make a slot per factor of :attr:`layers` and the step's :class:`~kfacflow.kfac.plan.StepPlan`.
 

@@ -227,6 +227,10 @@ class GradSync(Strategy, Protocol):
         """Replay the rest of the gradient traffic; set when the step starts and when the gradients are here."""
         ...
 
+    def for_step(self, sends: bool) -> GradSync:
+        """The grad sync of a step whose factors do (``sends``) or do not travel after its backward pass: itself."""
+        return self
+
 
 class FactorSync(Strategy, Protocol):
     """Strategy *factor sync* (``kfac.factor_sync``): where factors are summed.

@@ -51,14 +51,14 @@ VARIANTS.add(
         "cholesky_factor",
         pipeline="arrival",
         broadcast="fused_update",
-        grad_sync="owner",
+        grad_sync="between",
         factor_sync="owner",
         factor_exchange="inversion",
     ),
     "past the paper: SPD's fusion with large factors sent alone, whole layers to owners who precondition "
     "and send the update (in buckets where start-ups dominate), each factor and gradient reduced to its owner "
-    "alone, Cholesky factors, inversion as factors arrive, gradients behind the inversions, factors summed "
-    "over ranks only where inverted",
+    "alone, Cholesky factors, inversion as factors arrive, gradients behind the inversions where factors travel "
+    "(during backward elsewhere), factors summed over ranks only where inverted",
 )
 VARIANTS.add(
     "auto",
