@@ -104,8 +104,18 @@ CONFIGS: dict[str, dict[str, list[str]]] = {
     },
     "exchange": {  # factors summed over ranks at every factor update, or only at the steps that invert
         "sgd": ["kfac.variant=sgd"],
-        "flow+rows": ["kfac.variant=flow", "kfac.precondition=rows", "kfac.factor_exchange=update"],
-        "+exchange": ["kfac.variant=flow", "kfac.precondition=rows", "kfac.factor_exchange=inversion"],
+        "flow+rows": [  # the gradients as before either: behind the factors (owner)
+            "kfac.variant=flow",
+            "kfac.precondition=rows",
+            "kfac.factor_exchange=update",
+            "kfac.grad_sync=owner",
+        ],
+        "+exchange": [
+            "kfac.variant=flow",
+            "kfac.precondition=rows",
+            "kfac.factor_exchange=inversion",
+            "kfac.grad_sync=owner",
+        ],
         "+overlap": [  # with nothing else on the link between inversions, gradients averaged during backward
             "kfac.variant=flow",
             "kfac.precondition=rows",
