@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import kfac_sgd_step, local_backend, run_in_gloo
 from torch import nn
 
@@ -16,6 +17,7 @@ from kfacflow.config import DistConfig, KFACConfig
 from kfacflow.kfac.inverse import Cholesky, CholeskyFactor
 from kfacflow.kfac.precondition import RowsPrecondition, full_flops, precondition, row_flops
 from kfacflow.kfac.stages import LayerRows
+from kfacflow.registry import GRAD_SYNCS
 
 BATCH = 4
 STEPS = 6
@@ -116,13 +118,34 @@ def test_rows_are_the_gradient(monkeypatch: pytest.MonkeyPatch, module: nn.Modul
     _layer_rows_one_process(monkeypatch, module.double(), x)
 
 
-def _train(backend: TorchBackend, precondition_name: str, variant: dict[str, Any], batch: str) -> dict[str, Any]:
+def _deferred_step(
+    backend: TorchBackend, net: nn.Module, pre: Any, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> int:
+    """A step whose gradients the preconditioner averages after backward (as the trainer's); the elements it sent."""
+    sync = GRAD_SYNCS.get("deferred")
+    with sync.backward(backend, net, last=True):
+        out = net(x)
+        pre.end_forward()
+        F.cross_entropy(out, y).backward()
+    gradients = sync.gradients(backend, list(net.parameters()))
+    sent, post = [], gradients._post
+    gradients._post = lambda bucket: (sent.append(sum(t.numel() for t in bucket)), post(bucket))[1]
+    pre.step(lr=0.1, gradients=gradients)
+    opt.step()
+    opt.zero_grad()
+    return sum(sent)
+
+
+def _train(
+    backend: TorchBackend, precondition_name: str, variant: dict[str, Any], batch: str, deferred: bool = False
+) -> dict[str, Any]:
     cfg = KFACConfig(**variant, precondition=precondition_name, damping=0.01, kl_clip=0.01, inv_update_freq=2)
     model = make_model()
     net = backend.wrap_model(model)
     pre = build.preconditioner(model, cfg, backend, None)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     gen = torch.Generator().manual_seed(1)
+    sent = []
     for step in range(STEPS):
         x = torch.randn(backend.world_size * BATCH + 2, 8, 3, 3, generator=gen, dtype=torch.float64)
         y = torch.randint(0, 3, (backend.world_size * BATCH + 2,), generator=gen)
@@ -132,11 +155,14 @@ def _train(backend: TorchBackend, precondition_name: str, variant: dict[str, Any
             # send all its rows, and the layers go by their gradients this step.
             size = {"even": BATCH, "short": 2, "long": BATCH + 2}[batch]
         x, y = x[backend.rank * BATCH :][:size], y[backend.rank * BATCH :][:size]
-        kfac_sgd_step(net, pre, opt, x, y)
+        if deferred:
+            sent.append(_deferred_step(backend, net, pre, opt, x, y))
+        else:
+            kfac_sgd_step(net, pre, opt, x, y)
     pre.remove()
     warned: set[str] = getattr(pre.stages.precondition, "warned", set())
     params = [p.detach().clone() for p in model.parameters()]
-    return {"params": params, "planned": dict(pre.rows.planned or {}), "warned": warned}
+    return {"params": params, "planned": dict(pre.rows.planned or {}), "warned": warned | pre.rows.warned, "sent": sent}
 
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -152,9 +178,9 @@ def _gloo_body(rank: int, world: int) -> dict[tuple[str, str, str], Any]:
     backend = TorchBackend(DistConfig(device="cpu"))
     try:
         return {
-            (name, how, batch): _train(backend, how, variant, batch)
+            (name, how, batch): _train(backend, how.removesuffix("+deferred"), variant, batch, how.endswith("deferred"))
             for name, variant in VARIANTS.items()
-            for how in ("kfac", "rows")
+            for how in ("kfac", "rows", "rows+deferred")
             for batch in BATCHES
         }
     finally:
@@ -177,3 +203,13 @@ def test_rows_train_as_the_gradient_does_on_two_workers() -> None:
             # Only the long batch's step falls back, on the ranks that precondition those layers.
             warned = ranks[0][(name, "rows", batch)]["warned"] | ranks[1][(name, "rows", batch)]["warned"]
             assert warned == ({"0", "3"} if batch == "long" else set()), f"{name}, {batch}"
+            # Gradients averaged after backward: the conv's and fc1's do not travel once the rows are planned
+            # (their averages are rebuilt from the rows); on the long batch's step, every rank's flags say so
+            # and every rank averages them instead. The same parameters either way.
+            for rank in ranks:
+                deferred = rank[(name, "rows+deferred", batch)]
+                every = sum(p.numel() for p in make_model().parameters())
+                assert deferred["sent"] == [every] + [every - 32 * 73 - 32 * 33] * (STEPS - 1), f"{name}, {batch}"
+                assert deferred["warned"] == ({"0", "3"} if batch == "long" else set()), f"{name}, {batch}"
+                for a, b in zip(deferred["params"], grads["params"], strict=True):
+                    torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=f"{name}, {batch}, deferred")

@@ -48,10 +48,23 @@ class GradientAllreduce:
         self.owned: list[list[Tensor]] = []
         self.routed: tuple[list[Tensor], Handle] | None = None
         self.launched = False
+        self.left: set[int] = set()
 
     def route(self, owned: list[list[Tensor]]) -> None:
         """Send the gradients of ``owned[r]`` (parameters) to rank ``r`` alone (before :meth:`launch`)."""
         self.owned = owned
+
+    def leave(self, params: list[Tensor]) -> None:
+        """Leave these parameters' gradients out (before :meth:`launch`): the step rebuilds their averages itself."""
+        self.left = {id(p) for p in params}
+
+    def average(self, params: list[Tensor]) -> None:
+        """Average these parameters' gradients now, in one blocking all-reduce (every rank calls it alike)."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads and self.backend.world_size > 1:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            self.backend.allreduce_async(flat).wait()
+            self._write_back(grads, flat)
 
     def launch(self) -> None:
         """Post the collectives (once)."""
@@ -60,8 +73,8 @@ class GradientAllreduce:
         self.launched = True
         if self.backend.world_size == 1:
             return
-        routed = {id(p) for ps in self.owned for p in ps}
-        pieces = [[p.grad for p in ps if p.grad is not None] for ps in self.owned]
+        routed = {id(p) for ps in self.owned for p in ps} | self.left
+        pieces = [[p.grad for p in ps if p.grad is not None and id(p) not in self.left] for ps in self.owned]
         if any(pieces):  # the same on every rank: the same layers ran
             counts = [sum(g.numel() for g in piece) for piece in pieces]
             flat = torch.cat([g.reshape(-1) for piece in pieces for g in piece])

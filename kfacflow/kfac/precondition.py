@@ -107,6 +107,17 @@ def row_flops(rows: int, a_dim: int, g_dim: int) -> int:
     return 2 * rows * (a_dim * a_dim + g_dim * g_dim + g_dim * a_dim)
 
 
+def rows_give(delta: Tensor, a: Tensor, world: int, grad: Tensor, eps: float) -> Tensor:
+    """Whether ``delta^T a / world`` is ``grad`` to ``sqrt(eps)`` of its norm (a boolean tensor on the device).
+
+    ``eps``: of the least precise dtype the rows were computed in (the gradient's is taken too). NaN
+    compares false: a non-finite gradient never passes.
+    """
+    target = grad.to(a.dtype)
+    error = torch.linalg.matrix_norm(delta.T @ a / world - target)
+    return error <= math.sqrt(max(eps, torch.finfo(grad.dtype).eps)) * torch.linalg.matrix_norm(target)
+
+
 class RowsPrecondition(KFACPrecondition):
     """As ``kfac``, computed from the layer's rows where that takes at most half the flops (:mod:`~kfacflow.kfac.rows`).
 
@@ -114,7 +125,9 @@ class RowsPrecondition(KFACPrecondition):
     (``2gNa`` flops and one read of the device a layer), to ``sqrt(eps)`` of the least precise dtype
     either was computed in; where they differ (the gradients were changed between the backward pass
     and the step, a rank had more rows than it could send) the layer is preconditioned from its
-    gradient, and a warning names it once.
+    gradient, and a warning names it once. Where the gradients are averaged after the backward pass,
+    each rank checks its own rows against its own gradient instead, and the layer's averaged gradient
+    is rebuilt from the rows rather than sent (:meth:`~kfacflow.kfac.rows.RowCapture.rebuild`).
     """
 
     SHARE = 0.5
@@ -132,10 +145,7 @@ class RowsPrecondition(KFACPrecondition):
         """Return ``G^-1 grad A^-1``, from ``rows`` where they give ``grad``."""
         if rows is None:
             return precondition(grad, a_inv, g_inv)
-        target = grad.to(rows.a.dtype)
-        error = torch.linalg.matrix_norm(rows.delta.T @ rows.a / rows.world - target)
-        bound = math.sqrt(max(rows.eps, torch.finfo(grad.dtype).eps)) * torch.linalg.matrix_norm(target)
-        if not bool((error <= bound) & rows.complete):  # NaN compares false: a non-finite gradient goes the usual way
+        if not rows.rebuilt and not bool(rows_give(rows.delta, rows.a, rows.world, grad, rows.eps) & rows.complete):
             if rows.name not in self.warned:
                 self.warned.add(rows.name)
                 logger.warning(

@@ -238,6 +238,8 @@ class Preconditioner:
                 launched once the factors are, waited for to precondition.
         """
         self.finite.warn()  # the last step's factors: the device finished them long ago
+        if gradients is not None:  # not averaged yet: the layers that go by rows rebuild theirs from them
+            gradients.leave(self.rows.leave(self.layers))
         arrivals = self._arrivals(gradients)
         self.rows.post(self.layers)  # behind the factors on the link
         sent = self.stages.pipeline.run(self, arrivals, self.schedule.inverts())
@@ -383,6 +385,7 @@ class Preconditioner:
         if gradients is not None:
             with self.timer.span("GradComm"):
                 gradients.wait()
+            self.rows.rebuild(gradients)
         live = [(layer, g) for layer in self.layers if (g := layer.grad_matrix()) is not None]
         updates, contributions = self.stages.broadcast.precondition(self, live, sent, self.stages.pipeline.early)
         final = self.stages.precondition.finish([updates[layer.name] for layer, _ in live], contributions, lr)

@@ -17,6 +17,14 @@ step it only counts each layer's rows per rank, and one small all-reduce makes e
 which layers go by rows and how many rows each rank sends (the most any rank had): a rank with
 fewer sends zero rows, which add nothing to ``D^T a``; one with more cannot send them all, and the
 stage's check (its rows must give the gradient) falls back to the gradient.
+
+Where the step averages gradients itself after the backward pass (``kfac.grad_sync=deferred``,
+``owner``, or ``between`` on a step that exchanges factors), the chosen layers' gradients need not
+travel at all: each rank checks its own rows against its own gradient before sending them (a flag
+in its share of the message), and once every rank's rows are here the averaged gradient is
+``D_all^T a_all / P`` (:meth:`RowCapture.leave`, :meth:`RowCapture.rebuild`). A layer whose rows
+some rank could not vouch for has its gradient all-reduced there instead, by every rank alike. On
+a ResNet-18 at 32 px these are ``layer4``'s five layers: three quarters of its parameters.
 """
 
 from __future__ import annotations
@@ -34,11 +42,13 @@ from kfacflow.comm.base import Backend, Handle
 from kfacflow.kfac.capture import _full_precision, _input, unscaled
 from kfacflow.kfac.factors import ExpandFactors
 from kfacflow.kfac.layers import KFACLayer
+from kfacflow.kfac.precondition import rows_give
 from kfacflow.kfac.stages import LayerRows
 from kfacflow.timing import StepTimer
 
 if TYPE_CHECKING:
     from kfacflow.kfac.capture import Capture
+    from kfacflow.kfac.strategies import Gradients
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +90,10 @@ class RowCapture:
         """Rows each rank sends per chosen layer (agreed on the first step); ``None`` before."""
         self.step: dict[str, _Rows] = {}
         self.posted: dict[str, tuple[Handle | None, Tensor, KFACLayer, float]] = {}
-        self.arrived: dict[str, LayerRows] = {}
+        self.arrived: dict[str, LayerRows | None] = {}
+        self.left: list[KFACLayer] = []
+        """The layers whose averaged gradients this step rebuilds from their rows (:meth:`leave`)."""
+        self.warned: set[str] = set()
         self._hooks: list[RemovableHandle] = []
         for layer in layers:
             self._hooks.append(layer.module.register_forward_pre_hook(self._a_hook(layer), with_kwargs=True))
@@ -125,12 +138,25 @@ class RowCapture:
 
         return hook
 
+    def leave(self, layers: list[KFACLayer]) -> list[Tensor]:
+        """The parameters whose gradients need not be averaged this step: the chosen layers' (the same on every rank).
+
+        Call it before the step's gradients are launched and :meth:`post` the rows after; :meth:`rebuild`
+        writes their averages once the rows are here. Nothing before the rows are planned (the first step).
+        """
+        self.left = [layer for layer in layers if self.chosen(layer.name)] if self.backend.world_size > 1 else []
+        return [p for layer in self.left for p in layer.params]
+
     def post(self, layers: list[KFACLayer]) -> None:
-        """Send this step's rows of the chosen layers to every rank (on the first step: agree which layers they are)."""
+        """Send this step's rows of the chosen layers to every rank (on the first step: agree which layers they are).
+
+        Each rank's share ends in a row of flags every rank reads: its rows were cut off; and, for the
+        layers :meth:`leave` left out, its rows do not give its own gradient (or it has none).
+        """
         if self.planned is None:
             self._plan(layers)
             return
-        world, rank = self.backend.world_size, self.backend.rank
+        world, rank, left = self.backend.world_size, self.backend.rank, {layer.name for layer in self.left}
         with torch.no_grad():
             for layer in layers:
                 if layer.name not in self.planned:
@@ -138,12 +164,18 @@ class RowCapture:
                 rows, n, width = self.step.get(layer.name, _Rows()), self.planned[layer.name], layer.g_dim + layer.a_dim
                 flat = torch.zeros(world, n + 1, width, dtype=self.dtype, device=self.backend.device)
                 eps = max(rows.eps, torch.finfo(self.dtype).eps)
+                mine = flat[rank, n, 1] if layer.name in left else None
+                if mine is not None:
+                    mine.fill_(1.0)  # until its rows are checked against its gradient
                 if rows.a and len(rows.a) == len(rows.delta):  # every call's output gradient came back
                     a, delta = torch.cat(rows.a), torch.cat(rows.delta)
                     k = min(n, a.shape[0])
                     flat[rank, :k, : layer.g_dim].copy_(delta[:k])
                     flat[rank, :k, layer.g_dim :].copy_(a[:k])
                     flat[rank, n, 0] = float(a.shape[0] > n)  # the last row says: cut off, every rank learns it
+                    grad = layer.grad_matrix()
+                    if mine is not None and grad is not None:  # this rank's own gradient: it did not travel
+                        mine.copy_((~rows_give(delta, a, 1, grad, eps)).to(self.dtype))
                 handle = None
                 if world > 1:
                     with self.timer.span("GradComm"):
@@ -185,19 +217,52 @@ class RowCapture:
         if handle is not None:
             with self.timer.span("GradComm"):
                 handle.wait()
-        complete = flat[:, -1, 0].sum() == 0  # read with the stage's check: one wait for the device
+        complete = flat[:, -1, :2].sum() == 0  # read with the stage's check: one wait for the device
         stacked = flat[:, :-1].reshape(-1, flat.shape[-1])
         self.arrived[name] = LayerRows(
             name, stacked[:, : layer.g_dim], stacked[:, layer.g_dim :], flat.shape[0], eps, complete
         )
         return self.arrived[name]
 
+    def rebuild(self, gradients: Gradients) -> None:
+        """Write the averaged gradient of every layer :meth:`leave` left out, from every rank's rows.
+
+        One read of the device for all of them. A layer some rank's flags fail (its rows cut off or
+        not its gradient) has its gradient averaged by ``gradients`` instead, by every rank in the
+        same order (every rank reads the same flags), and goes by its gradient this step.
+        """
+        if not self.left:
+            return
+        rows = [self.get(layer.name) for layer in self.left]
+        assert all(r is not None for r in rows)
+        good = torch.stack([torch.as_tensor(r.complete) for r in rows if r is not None]).tolist()
+        failed = []
+        with torch.no_grad():
+            for layer, r, ok in zip(self.left, rows, good, strict=True):
+                if ok and r is not None:  # every rank had a gradient and vouched for its rows
+                    layer.set_grad((r.delta.T @ r.a).div_(r.world))
+                    self.arrived[layer.name] = LayerRows(r.name, r.delta, r.a, r.world, r.eps, True, rebuilt=True)
+                    continue
+                failed.append(layer)
+                self.arrived[layer.name] = None
+                if layer.name not in self.warned:
+                    self.warned.add(layer.name)
+                    logger.warning(
+                        "kfac.precondition=rows: a rank's rows of %s did not give its gradient (more rows than on "
+                        "the first step, or the layer did not run): its gradient was averaged instead this step",
+                        layer.name,
+                    )
+        if failed:
+            with self.timer.span("GradComm"):
+                gradients.average([p for layer in failed for p in layer.params])
+        self.left = []
+
     def reset(self) -> None:
         """Forget the step's rows (every posted collective is complete first: its buffer stays alive until then)."""
         for handle, *_ in self.posted.values():
             if handle is not None:
                 handle.wait()
-        self.step, self.posted, self.arrived = {}, {}, {}
+        self.step, self.posted, self.arrived, self.left = {}, {}, {}, []
 
     def remove(self) -> None:
         """Remove the hooks."""

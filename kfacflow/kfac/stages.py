@@ -260,6 +260,9 @@ class LayerRows:
     """Machine epsilon of the least precise dtype the rows or the gradient were computed in (for the check)."""
     complete: Tensor | bool = True
     """False where a rank had more rows than it may send (they cannot give the gradient); a tensor on the device."""
+    rebuilt: bool = False
+    """Whether each rank checked its rows against its own gradient and the averaged gradient was rebuilt from them
+    (:meth:`~kfacflow.kfac.rows.RowCapture.rebuild`): they give it by construction."""
 
 
 class PreconditionStage(Protocol):

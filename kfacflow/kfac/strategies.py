@@ -71,6 +71,14 @@ class Gradients(Protocol):
         """Launch if need be, wait, and write the averages back into the gradients."""
         ...
 
+    def leave(self, params: list[Tensor]) -> None:
+        """Leave these parameters' gradients out (before :meth:`launch`): the step rebuilds their averages itself."""
+        ...
+
+    def average(self, params: list[Tensor]) -> None:
+        """Average these parameters' gradients now, in one blocking collective (every rank calls it alike)."""
+        ...
+
 
 class Step(Protocol):
     """What a strategy may use of the orchestrator (:class:`~kfacflow.kfac.preconditioner.Preconditioner`)."""
