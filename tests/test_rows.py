@@ -128,8 +128,14 @@ def _deferred_step(
         pre.end_forward()
         F.cross_entropy(out, y).backward()
     gradients = sync.gradients(backend, list(net.parameters()))
-    sent, post = [], gradients._post
-    gradients._post = lambda bucket: (sent.append(sum(t.numel() for t in bucket)), post(bucket))[1]
+    sent: list[int] = []
+    post = gradients._post
+
+    def counted(bucket: list[torch.Tensor]) -> None:
+        sent.append(sum(t.numel() for t in bucket))
+        post(bucket)
+
+    gradients._post = counted  # type: ignore[method-assign]
     pre.step(lr=0.1, gradients=gradients)
     opt.step()
     opt.zero_grad()
