@@ -147,16 +147,15 @@ class Preconditioner:
             self.local, self.capture.takes_rows = None, None
             return
         decay = lambda: self.cfg.factor_decay  # noqa: E731
-        self.local = LocalSums(decay, self.comm.push, self._exchanges, started, self.timer)
+        self.local = LocalSums(decay, self.comm.push, self.sends_factors, started, self.timer)
         self.capture.push, self.capture.takes_rows = self.local.push, self.local.takes_rows
 
-    def _exchanges(self) -> bool:
-        """Whether this step sums factors over ranks (every factor update, or only where it inverts)."""
-        return self.schedule.factors() and (self.local is None or self.schedule.inverts())
-
     def sends_factors(self) -> bool:
-        """Whether this step's factors travel after its backward pass (what :meth:`.GradSync.for_step` is told)."""
-        return self._exchanges()
+        """Whether this step sums factors over ranks after its backward pass (what :meth:`.GradSync.for_step` is told).
+
+        Every factor update, or only where it inverts (``kfac.factor_exchange=inversion``).
+        """
+        return self.schedule.factors() and (self.local is None or self.schedule.inverts())
 
     def _plan(self, ready: dict[str, float] | None = None) -> None:
         """Make a slot per factor of :attr:`layers` and the step's :class:`~kfacflow.kfac.plan.StepPlan`.
@@ -223,7 +222,7 @@ class Preconditioner:
 
         Calling it again for the same pass does nothing.
         """
-        if self.schedule.factors() and self.capture.end_forward() and self._exchanges():
+        if self.schedule.factors() and self.capture.end_forward() and self.sends_factors():
             with self.timer.span("FactorComm"):
                 self.comm.end_forward()
 
@@ -243,7 +242,7 @@ class Preconditioner:
         arrivals = self._arrivals(gradients)
         self.rows.post(self.layers)  # behind the factors on the link
         sent = self.stages.pipeline.run(self, arrivals, self.schedule.inverts())
-        if self.local is not None and self._exchanges():
+        if self.local is not None and self.sends_factors():
             self.local.exchanged()
         elif self.local is not None:
             self.local.commit()
@@ -282,7 +281,7 @@ class Preconditioner:
             gradients.route(self.grad_owned)
         if not self.schedule.factors():
             return iter(())
-        exchanges = self._exchanges()
+        exchanges = self.sends_factors()
         with self.timer.span("FactorComm"):
             dropped = self.capture.finish()
             if exchanges:

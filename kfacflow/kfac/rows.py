@@ -233,13 +233,12 @@ class RowCapture:
         """
         if not self.left:
             return
-        rows = [self.get(layer.name) for layer in self.left]
-        assert all(r is not None for r in rows)
-        good = torch.stack([torch.as_tensor(r.complete) for r in rows if r is not None]).tolist()
+        rows = [r for layer in self.left if (r := self.get(layer.name)) is not None]  # every one was posted
+        good = torch.stack([torch.as_tensor(r.complete) for r in rows]).tolist()
         failed = []
         with torch.no_grad():
             for layer, r, ok in zip(self.left, rows, good, strict=True):
-                if ok and r is not None:  # every rank had a gradient and vouched for its rows
+                if ok:  # every rank had a gradient and vouched for its rows
                     layer.set_grad((r.delta.T @ r.a).div_(r.world))
                     self.arrived[layer.name] = LayerRows(r.name, r.delta, r.a, r.world, r.eps, True, rebuilt=True)
                     continue
