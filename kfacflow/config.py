@@ -314,6 +314,12 @@ class KFACConfig:
     factor_dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = "auto"
     """What factors are computed, all-reduced and averaged in; ``auto``: the parameters' (float32 under mixed
     precision: activations of the autocast forward are cast up first). Half precision only when named here."""
+    factor_examples: int = field(default=0, metadata=at_least(0, "0: every example"))
+    """Examples of each worker's batch that the factors are estimated from (Martens & Grosse 2015 estimate them
+    from a subset of the mini-batch): the first ``factor_examples`` of every Conv2d and batch-first layer input,
+    the same share of the leading rows of any other; 0 (or a batch no larger): all of them. The gradient and
+    its preconditioning still use every example. Factor computation falls with the share kept, and the factors
+    are an estimate from fewer examples: a different result from the full batch's, not a round-off."""
     inverse_dtype: Literal["auto", "float32", "float64"] = "auto"
     """What factors are inverted and gradients preconditioned in (the update is cast back to the gradient's
     dtype); ``auto``: the factors' dtype, at least float32."""

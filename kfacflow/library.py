@@ -98,8 +98,8 @@ class KFACPreconditioner:
             ``(S, N, ...)`` inputs (``batch_first=False``).
         **kfac: Any other ``kfac.*`` recipe key: ``fusion``, ``placement``, ``inverse``,
             ``pipeline``, ``broadcast``, ``grad_sync``, ``factor_sync``, ``factor_exchange``, ``factor``,
-            ``factor_decay``, ``kl_clip``, ``inverse_schedule``, ``skip`` (fnmatch patterns of module names),
-            ``profile_steps`` ...
+            ``factor_decay``, ``factor_examples``, ``kl_clip``, ``inverse_schedule``, ``skip`` (fnmatch patterns of
+            module names), ``profile_steps`` ...
 
     Raises:
         UserError: A bad argument (named, with the accepted values), or no layer to precondition.

@@ -152,6 +152,8 @@ class Capture:
         accumulate: Micro-batches (forward/backward passes) per step.
         dtype: What factors are computed, summed and sent in (``kfac.factor_dtype``): activations
             and output gradients of another dtype (mixed precision) are cast to it first.
+        keep: Examples of each forward pass the factors are estimated from (``kfac.factor_examples``; 0: all):
+            the leading ``keep / N`` of every layer input's and output gradient's first dimension.
     """
 
     def __init__(
@@ -162,8 +164,10 @@ class Capture:
         timer: StepTimer,
         accumulate: int = 1,
         dtype: torch.dtype = torch.float32,
+        keep: int = 0,
     ) -> None:
         self.layers = layers
+        self.keep = keep
         self.dtype = dtype
         self.grad_scale: Tensor | None = None
         """The loss scale of this step's backward pass (fp16 mixed precision): G is of the unscaled gradients."""
@@ -246,7 +250,7 @@ class Capture:
                     f"(add {layer.name!r} to kfac.skip)."
                 )
             with torch.no_grad(), _full_precision(x), self.timer.span("FactorComp", f"{layer.name}/A", "factor"):
-                packed, rows = self._a_part(layer, module, layer.layer_input(x.to(self.dtype)))
+                packed, rows = self._a_part(layer, module, layer.layer_input(self._kept(x).to(self.dtype)))
             if cap.a is None:
                 cap.a = _Sum(packed, float(rows))
             else:
@@ -274,8 +278,9 @@ class Capture:
                 cap.g_calls += 1
                 if layer.name not in self._g_order:
                     self._g_order.append(layer.name)
+                kept = self._kept(grad, batch)
                 with torch.no_grad(), _full_precision(grad), self.timer.span("FactorComp", f"{layer.name}/G", "factor"):
-                    packed = self._g_part(layer, module, self._unscaled(grad), batch)
+                    packed = self._g_part(layer, module, self._unscaled(kept), batch, grad.shape[0] / kept.shape[0])
                 if cap.g is None:
                     cap.g = _Sum(packed, 1.0 / batch)
                 else:
@@ -289,6 +294,18 @@ class Capture:
 
     def _examples(self, x: Tensor) -> int:
         return self.examples if self.examples is not None else x.shape[0]
+
+    def _kept(self, t: Tensor, examples: int | None = None) -> Tensor:
+        """The leading part of ``t`` the factors are estimated from: ``keep`` of its ``N`` examples' share of dim 0.
+
+        The first ``keep`` examples of a batch-first input, and the same share of the rows of any other
+        (``(S, N, E)``: the first positions of every example), so G's scale ``N sum g gᵀ`` is that of
+        the whole once multiplied by ``t.shape[0] / kept.shape[0]``.
+        """
+        n = self._examples(t) if examples is None else examples
+        if not self.keep or self.keep >= n or t.dim() == 0:
+            return t
+        return t[: max(1, -(-t.shape[0] * self.keep // n))]
 
     def _as_rows(self, layer: KFACLayer, side: str, width: int) -> bool:
         """Whether this step hands a factor over as its rows (a layer called once, one micro-batch, 32 bits or more)."""
@@ -314,11 +331,16 @@ class Capture:
         self._row_counts[layer.name] = rows
         return packed, rows
 
-    def _g_part(self, layer: KFACLayer, module: nn.Module, grad: Tensor, batch: int) -> Contribution:
-        """G's packed triangle, or its rows (``batch * gᵀg``) where they are taken."""
+    def _g_part(self, layer: KFACLayer, module: nn.Module, grad: Tensor, batch: int, share: float) -> Contribution:
+        """G's packed triangle, or its rows (``batch * gᵀg``) where they are taken, times ``share``.
+
+        ``share``: how many times more leading rows the output gradient had than ``grad`` holds
+        (:meth:`_kept`); 1 where every example is kept.
+        """
         if self._as_rows(layer, "G", layer.g_dim):
-            return Rows(_own(self.factors.g_rows(module, grad), grad), float(batch))  # type: ignore[attr-defined]
-        return self._g_packed(module, grad, batch)
+            return Rows(_own(self.factors.g_rows(module, grad), grad), float(batch) * share)  # type: ignore[attr-defined]
+        packed = self._g_packed(module, grad, batch)
+        return packed if share == 1 else packed * share
 
     def _a_packed(self, module: nn.Module, x: Tensor) -> tuple[Tensor, int]:
         """A's packed triangle and row count; straight from a stage that computes the triangle alone."""

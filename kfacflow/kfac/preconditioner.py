@@ -102,7 +102,15 @@ class Preconditioner:
         self.claims = Claims({layer.name: layer.module for layer in self.layers})
         self.factor_dtype, self.inverse_dtype = dtypes(cfg, next(self.layers[0].module.parameters()).dtype)
         self.comm = Communicator(backend, stages.fusion, self.timer)
-        self.capture = Capture(self.layers, stages.factor, self.comm.push, self.timer, accumulate, self.factor_dtype)
+        self.capture = Capture(
+            self.layers,
+            stages.factor,
+            self.comm.push,
+            self.timer,
+            accumulate,
+            self.factor_dtype,
+            keep=cfg.factor_examples,
+        )
         self.schedule = Schedule(cfg)
         self.local: LocalSums | None = None
         """With ``kfac.factor_exchange=inversion``: this rank's sums of its factors between exchanges."""
