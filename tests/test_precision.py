@@ -69,7 +69,8 @@ def test_d_mpd_spd_and_flow_agree_under_bf16_amp(tmp_path: Path) -> None:
         for k, t in finals["d"].items():
             assert torch.allclose(finals[v][k], t, rtol=1e-4, atol=1e-6), (v, k, (finals[v][k] - t).abs().max())
     for k, t in finals["d"].items():
-        assert torch.allclose(finals["flow_exchange"][k], t, rtol=1e-3, atol=1e-4), (
+        # atol: 2e-4 seen on an AMD EPYC machine (other bf16 kernels than the Intel one the bound was set on)
+        assert torch.allclose(finals["flow_exchange"][k], t, rtol=1e-3, atol=5e-4), (
             k,
             (finals["flow_exchange"][k] - t).abs().max(),
         )
