@@ -303,7 +303,7 @@ class Capture:
         the whole once multiplied by ``t.shape[0] / kept.shape[0]``.
         """
         n = self._examples(t) if examples is None else examples
-        if not self.keep or self.keep >= n or t.dim() == 0:
+        if not self.keep or self.keep >= n:
             return t
         return t[: max(1, -(-t.shape[0] * self.keep // n))]
 
