@@ -212,7 +212,7 @@ def self_launch(nproc: int, entry: Any, args: tuple[Any, ...]) -> dict[int, Any]
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",
         max_restarts=0,
-        monitor_interval=0.5,
+        monitor_interval=0.1,  # how often the agent polls its workers: 0.5 added up to 0.5 s to the end of every run
         start_method="spawn",
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
