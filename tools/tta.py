@@ -46,12 +46,18 @@ OPTIMIZERS = {
     "flow_16": ["kfac.variant=flow", "kfac.factor_examples=16", *ONE_TEN],
     "flow_8": ["kfac.variant=flow", "kfac.factor_examples=8", *ONE_TEN],
     "flow_10_100": ["kfac.variant=flow", "kfac.factor_update_freq=10", "kfac.inv_update_freq=100"],
+    "flow_10_100_16": [
+        "kfac.variant=flow",
+        "kfac.factor_examples=16",
+        "kfac.factor_update_freq=10",
+        "kfac.inv_update_freq=100",
+    ],
     "spd": ["kfac.variant=spd", *ONE_TEN],
 }
 """What makes each optimizer of the comparison out of the recipe: K-FAC with factors every step and inverses
 every 10 (kfac-pytorch's CIFAR-10 defaults), or ``flow_10_100``: every 10 and 100 (its ImageNet defaults);
 ``flow_16`` and ``flow_8`` estimate the factors from 16 or 8 examples of each worker's batch
-(``kfac.factor_examples``)."""
+(``kfac.factor_examples``), ``flow_10_100_16`` from 16 at the ImageNet intervals."""
 GRIDS = {
     "sgd": "optim.lr:0.05,0.1,0.2",
     "adamw": "optim.lr:0.001,0.003",
@@ -61,6 +67,7 @@ GRIDS = {
     "flow_16": "optim.lr:0.1;kfac.damping:0.03,0.1",
     "flow_8": "optim.lr:0.1;kfac.damping:0.03,0.1",
     "flow_10_100": "optim.lr:0.1;kfac.damping:0.03,0.1",
+    "flow_10_100_16": "optim.lr:0.1;kfac.damping:0.03,0.1",
     "spd": "optim.lr:0.1;kfac.damping:0.03,0.1",
 }
 """The default sweeps: the rates each optimizer is usually run at on small image models."""
