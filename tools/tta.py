@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 FIRST_ORDER = ("sgd", "adamw")
 ONE_TEN = ["kfac.factor_update_freq=1", "kfac.inv_update_freq=10"]
+TEN_HUNDRED = ["kfac.factor_update_freq=10", "kfac.inv_update_freq=100"]
 OPTIMIZERS = {
     "sgd": ["kfac.variant=sgd", "optim.name=sgd"],
     "adamw": ["kfac.variant=sgd", "optim.name=adamw"],
@@ -45,13 +46,8 @@ OPTIMIZERS = {
     "flow_staggered": ["kfac.variant=flow", "kfac.inverse_schedule=staggered", *ONE_TEN],
     "flow_16": ["kfac.variant=flow", "kfac.factor_examples=16", *ONE_TEN],
     "flow_8": ["kfac.variant=flow", "kfac.factor_examples=8", *ONE_TEN],
-    "flow_10_100": ["kfac.variant=flow", "kfac.factor_update_freq=10", "kfac.inv_update_freq=100"],
-    "flow_10_100_16": [
-        "kfac.variant=flow",
-        "kfac.factor_examples=16",
-        "kfac.factor_update_freq=10",
-        "kfac.inv_update_freq=100",
-    ],
+    "flow_10_100": ["kfac.variant=flow", *TEN_HUNDRED],
+    "flow_10_100_16": ["kfac.variant=flow", "kfac.factor_examples=16", *TEN_HUNDRED],
     "spd": ["kfac.variant=spd", *ONE_TEN],
 }
 """What makes each optimizer of the comparison out of the recipe: K-FAC with factors every step and inverses
@@ -61,16 +57,9 @@ every 10 (kfac-pytorch's CIFAR-10 defaults), or ``flow_10_100``: every 10 and 10
 GRIDS = {
     "sgd": "optim.lr:0.05,0.1,0.2",
     "adamw": "optim.lr:0.001,0.003",
-    "flow": "optim.lr:0.1;kfac.damping:0.03,0.1",
-    "flow_reduce": "optim.lr:0.1;kfac.damping:0.03,0.1",
-    "flow_staggered": "optim.lr:0.1;kfac.damping:0.03,0.1",
-    "flow_16": "optim.lr:0.1;kfac.damping:0.03,0.1",
-    "flow_8": "optim.lr:0.1;kfac.damping:0.03,0.1",
-    "flow_10_100": "optim.lr:0.1;kfac.damping:0.03,0.1",
-    "flow_10_100_16": "optim.lr:0.1;kfac.damping:0.03,0.1",
-    "spd": "optim.lr:0.1;kfac.damping:0.03,0.1",
+    **{name: "optim.lr:0.1;kfac.damping:0.03,0.1" for name in OPTIMIZERS if name not in FIRST_ORDER},
 }
-"""The default sweeps: the rates each optimizer is usually run at on small image models."""
+"""The default sweeps: the rates each optimizer is usually run at on small image models (every K-FAC one alike)."""
 
 
 def parse_grid(text: str) -> list[list[str]]:
