@@ -17,6 +17,7 @@ from kfacflow.kfac.layers import KFACLayer, find_layers
 from kfacflow.kfac.packing import pack, pack_lower, packed_size, unpack, unpack_lower
 
 DT = torch.float64
+SHIPPED_POSITIONS_INNER_FROM = factors.POSITIONS_INNER_FROM
 
 pytestmark = pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel:UserWarning")
 
@@ -26,6 +27,13 @@ def block(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> No
     """Every factor here by hand twice: one product, and the upper triangle in block rows of 3."""
     if request.param == "3-wide blocks":
         monkeypatch.setattr(factors, "GRAM_BLOCK", 3)
+
+
+@pytest.fixture(autouse=True, params=["as chosen", "positions inner at any width"])
+def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every Conv2d factor here from row-major rows where the output is narrow, and from column-major rows always."""
+    if request.param != "as chosen":
+        monkeypatch.setattr(factors, "POSITIONS_INNER_FROM", 1)
 
 
 def close(got: Tensor, want: Tensor, rtol: float = 1e-10, atol: float = 1e-12) -> None:
@@ -293,6 +301,39 @@ def test_conv_reduce_match_hand(cfg: dict[str, Any], bias: bool) -> None:
     fac = ReduceFactors()
     close(fac.a_factor(conv, st["x"]), outer_mean(rows_a, n_b))
     close(fac.g_factor(conv, go, n_b), outer_mean(rows_g, n_b))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("cfg", CONV_CONFIGS, ids=lambda c: str(c))
+def test_conv_rows_are_the_same_values_in_either_layout(
+    cfg: dict[str, Any], bias: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    conv, x, proj = conv_case(cfg, bias)
+    go = capture(conv, conv, x, lambda out: per_example_loss(out, proj))["go"]
+    fac = ExpandFactors()
+    got = {}
+    for name, width in (("row-major", 2**62), ("positions inner", 1)):
+        monkeypatch.setattr(factors, "POSITIONS_INNER_FROM", width)
+        got[name] = (fac.a_rows(conv, x), fac.g_rows(conv, go))
+    for rows_major, rows_inner in zip(got["row-major"], got["positions inner"], strict=True):
+        assert rows_major.is_contiguous() and rows_inner.T.is_contiguous()  # each layout as asked for
+        assert torch.equal(rows_major, rows_inner)  # a copy either way: the same values, bit for bit
+
+
+def test_conv_rows_go_column_major_where_the_output_is_wide_and_channels_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(factors, "POSITIONS_INNER_FROM", SHIPPED_POSITIONS_INNER_FROM)
+    assert SHIPPED_POSITIONS_INNER_FROM in range(4, 8)  # 8 px wide is wide, 3 px narrow
+    conv = nn.Conv2d(4, 3, 3, padding=1)
+    fac = ExpandFactors()
+    wide, narrow = torch.randn(2, 4, 8, 8), torch.randn(2, 4, 3, 3)
+    assert fac.a_rows(conv, wide).T.is_contiguous() and fac.g_rows(conv, conv(wide)).T.is_contiguous()
+    assert fac.a_rows(conv, narrow).is_contiguous() and fac.g_rows(conv, conv(narrow)).is_contiguous()
+    last = wide.to(memory_format=torch.channels_last)  # channels are read in runs row-major: kept so
+    assert fac.a_rows(conv, last).is_contiguous() and torch.equal(fac.a_rows(conv, last), fac.a_rows(conv, wide))
+    grad_last = torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)
+    assert fac.g_rows(conv, grad_last).is_contiguous()
 
 
 # --- the distributed property: averaging halves gives the whole batch ---------------------------------

@@ -14,6 +14,7 @@ from helpers import ROOT, last_line, run_cli, run_tool
 sys.path.insert(0, str(ROOT / "tools"))
 
 import bench  # noqa: E402
+import bench_gram  # noqa: E402
 import bench_loop  # noqa: E402
 import simulate  # noqa: E402
 
@@ -79,6 +80,15 @@ def test_bench_loop_times_kfacflow_in_a_plain_loop(tmp_path: Path, capsys: pytes
     collected = bench.collect(tmp_path, 1)  # what bench reads: whole steps, no breakdown
     assert len(collected["steps"]) == 3
     assert bench.summarize([{**collected, "wall_s": 1.0}], None, 4)["breakdown_s"] is None
+
+
+def test_bench_gram_times_every_convolutions_rows_both_ways(capsys: pytest.CaptureFixture[str]) -> None:
+    shipped = bench_gram.factors.POSITIONS_INNER_FROM
+    bench_gram.row_copies("digits_cnn", 8, 1, 4, reps=1)  # asserts the two layouts' rows equal
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[:2] for line in lines[:4]] == [["A", "(4,"], ["A", "(4,"], ["G", "(4,"], ["G", "(4,"]]
+    assert lines[-1].startswith("digits_cnn: a step's rows: row-major ") and "as chosen" in lines[-1]
+    assert bench_gram.factors.POSITIONS_INNER_FROM == shipped
 
 
 def test_bench_loop_says_how_to_get_kfac_pytorch(

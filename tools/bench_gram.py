@@ -2,6 +2,7 @@
 
     python tools/bench_gram.py digits_cnn --image-size 28 --channels 1 --batch 64
     python tools/bench_gram.py resnet18 resnet50 --image-size 32 --batch 32 --blocks 192,384,768
+    python tools/bench_gram.py digits_cnn --image-size 28 --channels 1 --batch 64 --rows
 
 For each model one forward and backward pass of ``--batch`` random images records the shape of every
 preconditioned layer's row matrices (A: patches with the ones column, ``expand`` factors; G: output
@@ -11,6 +12,11 @@ other on the same matrix, the fastest of ``--reps`` each, and weighted by how ma
 Prints the step's total for each and the ratio to the whole product; ``GRAM_BLOCK`` in
 ``kfacflow/kfac/factors.py`` is chosen from this, on one thread (``--threads``) as the cluster
 benchmarks run.
+
+``--rows`` times instead the copy that comes before the product: every layer's rows (``a_rows``,
+``g_rows``) of one real forward and backward pass, row-major against column-major where
+:func:`~kfacflow.kfac.factors.positions_inner` chooses it (the same values, checked), which is how
+``POSITIONS_INNER_FROM`` is chosen.
 """
 
 from __future__ import annotations
@@ -51,6 +57,35 @@ def shapes(name: str, image_size: int, channels: int, batch: int) -> Counter[tup
     return seen
 
 
+def row_copies(name: str, image_size: int, channels: int, batch: int, reps: int) -> None:
+    """Print each Conv2d's row copies (A's patches, G's output gradients) timed row-major and as chosen."""
+    check_name(name)
+    model = build_model(name, 10, channels)
+    stage = ExpandFactors()
+    copies: list[tuple[str, Callable[[], Tensor]]] = []
+
+    def hook(module: nn.Module, args: tuple[Tensor, ...], out: Tensor) -> None:
+        x = args[0].detach()
+        copies.append((f"A {tuple(x.shape)}", lambda: stage.a_rows(module, x)))
+        out.register_hook(lambda g: copies.append((f"G {tuple(g.shape)}", lambda: stage.g_rows(module, g))))
+
+    for layer in find_layers(model, []):
+        if isinstance(layer.module, nn.Conv2d):
+            layer.module.register_forward_hook(hook)
+    model(torch.randn(batch, channels, image_size, image_size)).sum().backward()
+    chosen = factors.POSITIONS_INNER_FROM
+    total = [0.0, 0.0]
+    for label, copy in copies:
+        factors.POSITIONS_INNER_FROM = 2**62  # never column-major
+        seconds, reference = [fastest(copy, reps)], copy()
+        factors.POSITIONS_INNER_FROM = chosen
+        seconds.append(fastest(copy, reps))
+        assert torch.equal(copy(), reference), label  # the same values either way
+        total = [t + s for t, s in zip(total, seconds, strict=True)]
+        print(f"  {label:<22} row-major {seconds[0] * 1e3:7.2f} ms  as chosen {seconds[1] * 1e3:7.2f} ms")
+    print(f"{name}: a step's rows: row-major {total[0] * 1e3:.1f} ms, as chosen {total[1] * 1e3:.1f} ms", flush=True)
+
+
 def fastest(fn: Callable[[], object], reps: int) -> float:
     """The fastest of ``reps`` calls, in seconds (after one untimed call)."""
     fn()
@@ -71,8 +106,13 @@ def main() -> None:
     parser.add_argument("--blocks", default="128,256,384,512,768,1024", help="widest block rows to time")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rows", action="store_true", help="time the row copies instead of the products")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.rows:
+        for name in args.models:
+            row_copies(name, args.image_size, args.channels, args.batch, args.reps)
+        return
     widths = [int(b) for b in args.blocks.split(",")]
     for name in args.models:
         counts = shapes(name, args.image_size, args.channels, args.batch)
