@@ -29,9 +29,9 @@ def block(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> No
         monkeypatch.setattr(factors, "GRAM_BLOCK", 3)
 
 
-@pytest.fixture(autouse=True, params=["as chosen", "positions inner at any width"])
+@pytest.fixture(params=["as chosen", "positions inner at any width"])
 def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every Conv2d factor here from row-major rows where the output is narrow, and from column-major rows always."""
+    """A test's Conv2d factors from row-major rows where the output is narrow, and from column-major rows always."""
     if request.param != "as chosen":
         monkeypatch.setattr(factors, "POSITIONS_INNER_FROM", 1)
 
@@ -258,6 +258,7 @@ def test_conv_patches_match_weight_layout(cfg: dict[str, Any], bias: bool) -> No
                 close(out[n, :, i, j], want)
 
 
+@pytest.mark.usefixtures("layout")
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("cfg", CONV_CONFIGS, ids=lambda c: str(c))
 def test_conv_expand_match_hand(cfg: dict[str, Any], bias: bool) -> None:
@@ -347,6 +348,7 @@ def factors_of(model: nn.Module, layers: list[nn.Module], x: Tensor, y: Tensor, 
     return out
 
 
+@pytest.mark.usefixtures("layout")
 @pytest.mark.parametrize("kind", ["expand", "reduce"])
 def test_half_batches_average_to_whole(kind: str) -> None:
     torch.manual_seed(3)
