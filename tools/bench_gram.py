@@ -26,6 +26,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -40,39 +41,41 @@ from kfacflow.kfac.packing import pack  # noqa: E402
 from kfacflow.models import build_model, check_name  # noqa: E402
 
 
-def shapes(name: str, image_size: int, channels: int, batch: int) -> Counter[tuple[int, int]]:
-    """Return ``(rows, width)`` of every A and G row matrix of one step of ``name``, counted."""
+def one_pass(name: str, image_size: int, channels: int, batch: int) -> list[tuple[nn.Module, Tensor, Tensor]]:
+    """Every preconditioned layer of ``name`` with its input and output gradient from one forward and backward pass."""
     check_name(name)
     model = build_model(name, 10, channels)
-    seen: Counter[tuple[int, int]] = Counter()
-    stage = ExpandFactors()
+    inputs: dict[nn.Module, Tensor] = {}
+    grads: dict[nn.Module, Tensor] = {}
 
     def hook(module: nn.Module, args: tuple[Tensor, ...], out: Tensor) -> None:
-        seen[tuple(stage.a_rows(module, args[0].detach()).shape)] += 1  # type: ignore[index]
-        out.register_hook(lambda g: seen.update([tuple(stage.g_rows(module, g).shape)]))  # type: ignore[list-item]
+        inputs[module] = args[0].detach()
+        out.register_hook(lambda g: grads.__setitem__(module, g))
 
-    for layer in find_layers(model, []):
-        layer.module.register_forward_hook(hook)
+    layers = [layer.module for layer in find_layers(model, [])]
+    for module in layers:
+        module.register_forward_hook(hook)
     model(torch.randn(batch, channels, image_size, image_size)).sum().backward()
+    return [(module, inputs[module], grads[module]) for module in layers]
+
+
+def shapes(name: str, image_size: int, channels: int, batch: int) -> Counter[tuple[int, int]]:
+    """Return ``(rows, width)`` of every A and G row matrix of one step of ``name``, counted."""
+    stage = ExpandFactors()
+    seen: Counter[tuple[int, int]] = Counter()
+    for module, x, g in one_pass(name, image_size, channels, batch):
+        seen.update([tuple(stage.a_rows(module, x).shape), tuple(stage.g_rows(module, g).shape)])  # type: ignore[list-item]
     return seen
 
 
 def row_copies(name: str, image_size: int, channels: int, batch: int, reps: int) -> None:
     """Print each Conv2d's row copies (A's patches, G's output gradients) timed row-major and as chosen."""
-    check_name(name)
-    model = build_model(name, 10, channels)
     stage = ExpandFactors()
-    copies: list[tuple[str, Callable[[], Tensor]]] = []
-
-    def hook(module: nn.Module, args: tuple[Tensor, ...], out: Tensor) -> None:
-        x = args[0].detach()
-        copies.append((f"A {tuple(x.shape)}", lambda: stage.a_rows(module, x)))
-        out.register_hook(lambda g: copies.append((f"G {tuple(g.shape)}", lambda: stage.g_rows(module, g))))
-
-    for layer in find_layers(model, []):
-        if isinstance(layer.module, nn.Conv2d):
-            layer.module.register_forward_hook(hook)
-    model(torch.randn(batch, channels, image_size, image_size)).sum().backward()
+    convs = [(m, x, g) for m, x, g in one_pass(name, image_size, channels, batch) if isinstance(m, nn.Conv2d)]
+    copies: list[tuple[str, Callable[[], Tensor]]] = [
+        *((f"A {tuple(x.shape)}", partial(stage.a_rows, m, x)) for m, x, _ in convs),
+        *((f"G {tuple(g.shape)}", partial(stage.g_rows, m, g)) for m, _, g in convs),
+    ]
     chosen = factors.POSITIONS_INNER_FROM
     total = [0.0, 0.0]
     for label, copy in copies:
