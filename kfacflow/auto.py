@@ -49,6 +49,7 @@ def choose(
     scatters: bool = True,
     gathers: bool = True,
     reduces: bool = True,
+    direct: bool = False,
 ) -> str:
     """Simulate every preset on ``layers`` (this run's traced step) and ``profile``; return the fastest's name.
 
@@ -56,13 +57,13 @@ def choose(
     (:func:`~kfacflow.simulation.period`: at 10/100, the preset fastest at 10/100). Every preset
     runs the recipe's explicit stage choices, as it would if named; inversions traced with another
     method than a preset's are rescaled by the profile's models of both. The table is logged.
-    ``scatters``, ``gathers``, ``reduces``: what this run's engine can do
+    ``scatters``, ``gathers``, ``reduces``, ``direct``: what this run's engine can do
     (:class:`~kfacflow.comm.base.Backend`), so no preset is chosen for a route the run would not take.
     """
     totals = {}
     for name in PRESETS:
         stages = resolve(preset_config(cfg, name))
-        parts = period(layers, profile, world_size, stages, True, cfg.kfac, scatters, gathers, reduces)
+        parts = period(layers, profile, world_size, stages, True, cfg.kfac, scatters, gathers, reduces, direct)
         totals[name] = parts["total"]
     best = min(totals, key=lambda name: (totals[name], PRESETS.index(name)))
     table = ", ".join(f"{name} {seconds:.3f} s" for name, seconds in totals.items())
@@ -88,7 +89,8 @@ def switch(
     name = None
     if backend.rank == 0 and traced is not None:
         world = backend.world_size
-        name = choose(traced, kfac.profile, world, cfg, backend.scatters, backend.gathers, backend.reduces)
+        caps = (backend.scatters, backend.gathers, backend.reduces, backend.direct)
+        name = choose(traced, kfac.profile, world, cfg, *caps)
     name = backend.broadcast_object(name)
     chosen = preset_config(cfg, name)
     stages = resolve(chosen)

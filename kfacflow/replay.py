@@ -87,6 +87,10 @@ class Replay:
     """When the backward pass ends."""
     buckets: list[tuple[float, int]]
     """DDP's gradient buckets: when each is ready, its elements."""
+    layer_grads: list[tuple[float, int]] = field(default_factory=list)
+    """When each layer's gradients are ready in the backward pass, and the layer (an index into :attr:`rows`)."""
+    direct: bool = False
+    """Whether a reduction to owners goes straight to each owner (:func:`kfacflow.comm.scatter.direct_cost`)."""
     grads_done: float = 0.0
     """When the gradients are averaged (the grad sync's replay sets it)."""
     start: float = 0.0

@@ -103,6 +103,7 @@ def simulate(
     reduces: bool = True,
     factors: bool = True,
     inverting: bool | Turn = True,
+    direct: bool = False,
 ) -> dict[str, float]:
     """Return the breakdown and total of one step (seconds) of ``stages`` on ``workers`` ranks.
 
@@ -123,16 +124,18 @@ def simulate(
             ``kfac.factor_exchange=inversion`` only a step that inverts sends them.
         inverting: Whether it inverts (``kfac.inv_update_freq``), or which turn of a staggered period it is
             (``kfac.inverse_schedule=staggered``: the factors of that turn); :func:`period` takes the mean.
+        direct: Whether it sends each piece of a reduction to owners straight to its owner (gloo):
+            :attr:`~kfacflow.comm.base.Backend.direct`.
     """
     prof = scaled(profile.for_method(stages.inverse), workers)
     if use_measured:
         layers = with_method(layers, profile, stages.inverse)
-    caps, sync = EngineCaps(reduces, scatters, gathers), registry.GRAD_SYNCS.get(stages.grad_sync)
+    caps, sync = EngineCaps(reduces, scatters, gathers, direct), registry.GRAD_SYNCS.get(stages.grad_sync)
     kfac = kfac or KFACConfig()
     step, launches, elements = _passes(layers, prof, workers, stages, use_measured, kfac, caps, factors)
     if stages.factor_exchange == "inversion" and not inverting:
         launches = []  # the factors stay in each rank's sums until a step that inverts
-    sync = sync.for_step(bool(launches))
+    sync = sync.for_step(bool(launches), step.plan.grad_owners)
     if isinstance(inverting, Turn):
         turns = stagger(step.plan.dims, step.plan.owners, workers, inverting.of)
         step.inverted = frozenset(k for k, turn in zip(step.keys, turns, strict=True) if turn == inverting.index)
@@ -148,8 +151,8 @@ def simulate(
         for at, keys in launches
         for dst, part in (routing.parts(keys, elements) if owner else [(None, keys)])
     ]
-    if workers > 1:  # gradients the backward pass posts (DDP's buckets) go before K-FAC's hooks run
-        ops += [(at, -1, m, [], None) for at, m in sync.in_backward(step)]
+    if workers > 1:  # gradients the backward pass posts (DDP's buckets, or to owners) go before K-FAC's hooks run
+        ops += [(at, -1, m, [], dst) for at, m, dst in sync.in_backward(step)]
     _on_the_link(step, ops, elements, owner)
     sync.replay(step)
     return registry.BROADCASTS.get(stages.broadcast).replay(step, registry.PIPELINES.get(stages.pipeline))
@@ -188,6 +191,7 @@ def period(
     scatters: bool = True,
     gathers: bool = True,
     reduces: bool = True,
+    direct: bool = False,
 ) -> dict[str, float]:
     """The mean step over one inverse period of ``kfac.factor_update_freq`` F and ``kfac.inv_update_freq`` I.
 
@@ -208,7 +212,7 @@ def period(
     for (factors, inverting), count in kinds:
         if count:
             args = (use_measured, kfac, scatters, gathers, reduces, factors, inverting)
-            for part, seconds in simulate(layers, profile, workers, stages, *args).items():
+            for part, seconds in simulate(layers, profile, workers, stages, *args, direct=direct).items():
                 total[part] = total.get(part, 0.0) + seconds * count / i
     return total
 
@@ -242,9 +246,11 @@ def _passes(
         t += r["t_forward"] * f_scale
     t_fwd = t
     backward: list[Ready] = []
-    grads, bucket = [], 0
-    for r in reversed(rows):
+    grads, bucket, layer_grads = [], 0, []
+    for j in reversed(range(len(rows))):
+        r = rows[j]
         t += r["t_backward"] * b_scale
+        layer_grads.append((t, j))
         bucket += r["params"]
         if bucket >= BUCKET_ELEMENTS:
             grads.append((t, bucket))
@@ -267,6 +273,7 @@ def _passes(
     costs = inverse_costs(rows, prof, use_measured)
     factor_comp = hooks + update_total if factors else 0.0
     step = Replay(rows, measured, prof, workers, plan, costs, update, factor_comp, ffbp, Link(), {}, t, grads)
+    step.layer_grads, step.direct = layer_grads, caps.reduces and caps.direct and not caps.scatters
     return step, launches if factors else [], elements
 
 

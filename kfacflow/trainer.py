@@ -258,7 +258,8 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         sync = registry.GRAD_SYNCS.get("overlap")
         if self.kfac:  # a grad sync may average differently on a step that sends factors (kfac.grad_sync=between)
-            sync = self.kfac.stages.grad_sync.for_step(self.kfac.sends_factors())
+            routes = (self.kfac.grad_owned, self.kfac.rebuilt())
+            sync = self.kfac.stages.grad_sync.for_step(self.kfac.sends_factors(), *routes)
         correct, samples = torch.zeros_like(loss_sum), 0
         for i, (x, y) in enumerate(batches):
             x = x.to(self.device, self.dtype, non_blocking=True, memory_format=self.memory_format)
@@ -274,7 +275,7 @@ class Trainer:
             correct += (out.detach().argmax(1) == y).sum()
             samples += y.shape[0]
         with self.timer.span("GradComm"):
-            self.backend.finish_gradients(self.optimizer)
+            sync.finish(self.backend, self.optimizer)
         self.precision.unscale(self.optimizer)  # K-FAC and every check see the true gradients
         lr = self.optimizer.param_groups[0]["lr"]
         gradients = sync.gradients(self.backend, list(self.model.parameters()))

@@ -95,3 +95,118 @@ def test_between_averages_in_backward_where_no_factors_travel_and_trains_as_owne
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     for a, b in zip(ranks[0]["between"]["params"], ranks[1]["between"]["params"], strict=True):
         assert torch.equal(a, b)  # the same averaged update on every rank
+
+
+PROFILE = """\
+allreduce: {alpha: 1.0e-4, beta: 3.0e-8}
+broadcast: {alpha: 5.0e-5, beta: 3.0e-8}
+inverse: {kind: cubic, alpha: 1.0e-4, beta: 1.0e-11}
+"""
+
+
+def _route(rank: int, world: int, out: str, runs: dict[str, list[str]]) -> dict[str, Any]:
+    """Train each run with a profile (so the plan may route gradients); note, per step, what went to owners."""
+    from kfacflow.comm.torch_dist import TorchBackend
+    from kfacflow.kfac.grad_sync import EVERY_RANK, GradientAllreduce, ToOwners
+    from kfacflow.kfac.preconditioner import Preconditioner
+    from kfacflow.recipe import load
+    from kfacflow.trainer import Trainer
+
+    events: list[str] = []
+    sent: list[int] = []
+    post, launch, step = ToOwners._post, GradientAllreduce.launch, Preconditioner.step
+
+    def posted(self: ToOwners, key: int) -> None:
+        events.append("in-backward-to-owner" if key != EVERY_RANK else "in-backward-allreduce")
+        sent.append(sum(p.numel() for p in self.pending[key][0]))
+        post(self, key)
+
+    def launched(self: GradientAllreduce) -> None:
+        if not self.launched:
+            events.append("after-routed" if any(self.owned) else "after")
+        launch(self)
+
+    def stepped(self: Preconditioner, *args: Any, **kwargs: Any) -> None:
+        step(self, *args, **kwargs)
+        events.append("|")
+
+    ToOwners._post, GradientAllreduce.launch, Preconditioner.step = posted, launched, stepped  # type: ignore[method-assign]
+    profile = Path(out) / "profile.yaml"
+    profile.write_text(PROFILE)
+    results, backend = {}, None
+    try:
+        for name, overrides in runs.items():
+            fixed = [f"out_dir={out}", f"train.steps={STEPS}", "train.progress=false", "train.dtype=float64"]
+            # Whole layers to the least-loaded rank, from the profile (round robin plans without one).
+            planned = [*STAGES, "kfac.placement=layer", f"kfac.profile={profile}"]
+            cfg = load([QUICK], [*fixed, *planned, *overrides])
+            backend = backend or TorchBackend(cfg.dist)
+            run_dir = Path(out) / name
+            run_dir.mkdir(parents=True, exist_ok=True)
+            events.clear()
+            sent.clear()
+            trainer = Trainer.from_recipe(cfg, backend, run_dir)
+            trainer.fit()
+            assert trainer.kfac is not None
+            results[name] = {
+                "sent": sum(sent),
+                "rebuilt": sum(p.numel() for p in trainer.kfac.rebuilt()),
+                "params": [p.detach().clone() for p in trainer.model.parameters()],
+                "steps": [set(ev.split()) for ev in " ".join(events).split("|")[:-1]],
+                "routed": [len(ps) for ps in trainer.kfac.grad_owned],
+                "direct": backend.direct,
+            }
+    finally:
+        ToOwners._post, GradientAllreduce.launch, Preconditioner.step = post, launch, step  # type: ignore[method-assign]
+        if backend is not None:
+            backend.close()
+    return results
+
+
+def test_gloo_sends_owned_gradients_to_their_owners_at_two_ranks_during_backward_between_exchanges(
+    tmp_path: Path,
+) -> None:
+    """At P = 2 gloo sends each piece straight to its owner (half an all-reduce's bytes): the plan routes.
+
+    ``owner`` then reduces the owned layers' gradients to their owners after every backward pass;
+    ``between`` does so on the steps that exchange factors and, on the others, sends them during the
+    backward pass (:class:`~kfacflow.kfac.grad_sync.InBackward`). Both train as ``deferred`` (every
+    gradient all-reduced after the backward pass) to round-off, every rank with the same bits.
+    """
+    f, i = 2, 4
+    runs = {
+        gs: [f"kfac.grad_sync={gs}", f"kfac.factor_update_freq={f}", f"kfac.inv_update_freq={i}"]
+        for gs in ("deferred", "owner", "between")
+    }
+    # With rows, the layers that go by them send no gradients at all: the step rebuilds their averages
+    # (fc1, 513 wide, from 2 x 8 rows a step).
+    rows = ["kfac.precondition=rows", "data.batch_size=8"]
+    runs |= {f"{gs}+rows": [*runs[gs], *rows] for gs in ("deferred", "between")}
+    runs["between+8"] = [*runs["between"], "data.batch_size=8"]
+    ranks = run_in_gloo(_route, 2, str(tmp_path), runs, timeout=300)
+    for got in ranks:
+        deferred, owner, between = got["deferred"], got["owner"], got["between"]
+        assert owner["direct"] and deferred["routed"] == [] and owner["routed"] == between["routed"]
+        assert len(owner["routed"]) == 2 and all(owner["routed"]), owner["routed"]
+        # The first step routes nothing (the plan is made again once the layers in use are known).
+        assert owner["steps"][0] == {"after"} and all(s == {"after-routed"} for s in owner["steps"][1:])
+        exchanging = [s for s in range(STEPS) if s % i == 0]
+        for s, ev in enumerate(between["steps"]):
+            if s == 0:
+                assert ev == {"after"}, ev  # an exchanging step, not routed yet
+            elif s in exchanging:
+                assert ev == {"after-routed"}, (s, ev)
+            else:
+                assert "in-backward-to-owner" in ev and not ev & {"after", "after-routed"}, (s, ev)
+        for run in (owner, between):
+            for a, b in zip(run["params"], deferred["params"], strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+        rows, plain = got["between+rows"], got["between+8"]
+        assert rows["rebuilt"] > 0 and plain["rebuilt"] == 0
+        in_backward = len([s for s in range(1, STEPS) if s not in exchanging])  # rows are chosen on step 0
+        assert rows["sent"] == plain["sent"] - in_backward * rows["rebuilt"] > 0
+        for a, b in zip(rows["params"], got["deferred+rows"]["params"], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    for run in ("owner", "between", "between+rows"):
+        for a, b in zip(ranks[0][run]["params"], ranks[1][run]["params"], strict=True):
+            assert torch.equal(a, b)  # every rank applies the owners' updates

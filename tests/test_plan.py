@@ -31,7 +31,7 @@ def _plans(rank: int, world: int, engine: str) -> dict[str, Any]:
     """Each preset's plan after three steps on this rank, and the simulator's for the same layers."""
     backend = TorchBackend(DistConfig(device="cpu"))
     if engine == "none":
-        backend.reduces = backend.scatters = backend.gathers = False
+        backend.reduces = backend.scatters = backend.gathers = backend.direct = False
     out = {}
     for preset in PRESETS:
         model = make_model()
@@ -70,7 +70,8 @@ def test_the_running_plan_is_the_simulators_for_every_preset(world: int, engine:
         assert all(r[preset][0] == running for r in results), f"{preset}: ranks planned differently"
         # Factors go to their owners only where the engine reduces to one rank.
         assert routed == (preset == "flow" and engine == "gloo"), preset
-        assert not owned  # gloo reduces to several owners no faster than it all-reduces: no gradient routes
+        # Gradients too, where owners precondition (flow): gloo sends each piece straight to its owner.
+        assert owned == (preset == "flow" and engine == "gloo"), preset
     flow = results[0]["flow"][0]
     assert (flow.factor_owners is None) == (engine == "none")
     assert flow.layer_order and any(o >= 0 for o in flow.owners)

@@ -43,6 +43,18 @@ def test_cost_and_when_it_pays() -> None:
     assert not scatter.pays(ar, LinearModel(0.0, 0.0), [100, 200])  # never at P = 2
 
 
+def test_direct_cost_and_when_it_pays() -> None:
+    bc, ar = LinearModel(1.0, 0.01), LinearModel(1.0, 0.02)
+    # P - 1 start-ups; the busiest rank's larger direction: rank 2 sends 300 and receives 2 x 300 = 600.
+    assert scatter.direct_cost(bc, [100, 200, 300]) == pytest.approx(2.0 + 0.01 * 600)
+    # At P = 2 each rank sends the other's piece as it receives its own: the larger piece, once.
+    assert scatter.direct_cost(bc, [100, 300]) == pytest.approx(1.0 + 0.01 * 300)
+    assert scatter.pays(ar, bc, [100, 300], direct=True)  # 4.0 s against 9.0 s
+    assert not scatter.pays(ar, bc, [100, 300])  # the two steps never at P = 2
+    assert not scatter.pays(ar, LinearModel(1.0, 0.05), [100, 300], direct=True)  # 16.0 s
+    assert not scatter.pays(ar, bc, [400], direct=True)  # one rank: nothing to send
+
+
 def test_routing_reduces_a_group_to_all_its_owners_at_once() -> None:
     owners = {"a": 2, "b": 0, "c": EVERY_RANK, "d": 1}
     sizes = {"a": 10, "b": 10, "c": 10, "d": 10}
@@ -63,14 +75,15 @@ def test_routing_reduces_a_group_to_all_its_owners_at_once() -> None:
 def _pieces(rank: int, world: int) -> bool:
     backend = TorchBackend(DistConfig(device="cpu"))
     try:
-        # Gloo's uneven reduce-scatter is no faster than its all-reduce: only NCCL reduces to owners by choice.
-        assert backend.gathers and not backend.scatters
-        for counts in COUNTS:
+        # Gloo's reduce-scatter is no faster than its all-reduce: it sends each piece straight to its owner.
+        assert backend.gathers and backend.direct and not backend.scatters
+        for counts in COUNTS if world == 3 else [c[:2] for c in COUNTS]:
             total = sum(counts)
             flat = torch.arange(total, dtype=torch.float64) * (rank + 1) + 0.25
             start = sum(counts[:rank])
-            want = (torch.arange(total, dtype=torch.float64) * 6 + 0.75)[start : start + counts[rank]]
-            # gloo's own uneven reduce-scatter, and the two steps NCCL runs (here on gloo)
+            ranks = world * (world + 1) // 2  # 1 + 2 (+ 3)
+            want = (torch.arange(total, dtype=torch.float64) * ranks + 0.25 * world)[start : start + counts[rank]]
+            # gloo's pieces sent to their owners, and the two steps NCCL runs (here on gloo)
             assert torch.equal(backend.reduce_to_owners_async(flat.clone(), counts).wait(), want), counts
             assert torch.equal(scatter.reduce_to_owners(flat.clone(), counts, rank, backend._group).wait(), want)
             piece = torch.randn(counts[rank], dtype=torch.float64) * 1e-300  # subnormals travel as they are
@@ -87,8 +100,9 @@ def _pieces(rank: int, world: int) -> bool:
 
 
 @pytest.mark.slow
-def test_pieces_reach_their_owners_on_three_gloo_ranks() -> None:
-    assert run_in_gloo(_pieces, 3) == [True, True, True]
+@pytest.mark.parametrize("world", [2, 3])
+def test_pieces_reach_their_owners_on_gloo_ranks(world: int) -> None:
+    assert run_in_gloo(_pieces, world) == [True] * world
 
 
 class _Recorded:

@@ -82,6 +82,32 @@ def test_bench_loop_times_kfacflow_in_a_plain_loop(tmp_path: Path, capsys: pytes
     assert bench.summarize([{**collected, "wall_s": 1.0}], None, 4)["breakdown_s"] is None
 
 
+def _comm(rank: int, world: int) -> tuple[list[str], list[float]]:
+    import bench_comm
+
+    from kfacflow.comm.torch_dist import TorchBackend
+    from kfacflow.config import DistConfig
+
+    backend = TorchBackend(DistConfig(device="cpu", engine="gloo"))
+    try:
+        seconds = bench_comm.measure(backend, 64 * 1024, 1)
+        return list(seconds), list(seconds.values())
+    finally:
+        backend.close()
+
+
+def test_bench_comm_times_each_way_to_the_owners_on_two_gloo_ranks() -> None:
+    from helpers import run_in_gloo
+
+    for names, seconds in run_in_gloo(_comm, 2):
+        assert "all-reduce" in names and "to owners (point to point)" in names and len(names) == 9
+        assert all(0 < s < 60 for s in seconds)
+    import bench_comm
+
+    with pytest.raises(SystemExit, match="2 or more ranks"):
+        bench_comm.main(["--mb", "0.1"])
+
+
 def test_bench_gram_times_every_convolutions_rows_both_ways(capsys: pytest.CaptureFixture[str]) -> None:
     shipped = bench_gram.factors.POSITIONS_INNER_FROM
     bench_gram.row_copies("digits_cnn", 8, 1, 4, reps=1)  # asserts the two layouts' rows equal
@@ -477,6 +503,36 @@ def test_simulated_inverse_period_matches_hand_computation() -> None:
     assert simulation.simulate(layers, prof, 2, between, kfac=two, inverting=False) == held
     assert simulation.simulate(layers, prof, 2, between, kfac=two)["total"] == pytest.approx(13.65)
     assert simulation.period(layers, prof, 2, between, kfac=two)["total"] == pytest.approx((13.65 + held["total"]) / 2)
+
+
+def test_simulated_gradients_to_owners_in_backward_by_hand() -> None:
+    from kfacflow.config import KFACConfig
+    from kfacflow.kfac.grad_sync import EVERY_RANK, InBackward, ToOwners
+    from kfacflow.perf import InverseModel, LinearModel, Profile
+    from kfacflow.replay import Link, Replay
+
+    prof = Profile(LinearModel(0.1, 0.01), LinearModel(0.05, 0.01), InverseModel("cubic", 0.0, 0.01), {"world_size": 2})
+    per_bucket = ToOwners.BUCKET_BYTES // 4  # float32 elements
+    params = [per_bucket * 7 // 10, per_bucket * 4 // 10, per_bucket * 5 // 10, 100]
+    rows = [{"name": f"l{j}", "params": m} for j, m in enumerate(params)]
+    ready = [(1.0, 3), (2.0, 2), (3.0, 1), (4.0, 0)]  # the backward pass, last layer first
+    step = Replay(rows, {}, prof, 2, None, [], [], 0.0, 0.0, Link(), {}, 4.5, [], layer_grads=ready)  # type: ignore[arg-type]
+    # Each destination's bucket fills on its own: rank 0's (l2, then l0) is full at 4.0 s; at the end of the
+    # pass the rest, destinations in order: l3's all-reduce (every rank's), l1's to rank 1.
+    assert InBackward([0, 1, 0, EVERY_RANK]).in_backward(step) == [
+        (4.0, params[2] + params[0], 0),
+        (4.0, 100, None),
+        (4.0, params[1], 1),
+    ]
+    # Through the simulator: where gloo sends each piece straight to its owner, the plan routes flow's
+    # gradients at P = 2 and a step that exchanges no factors sends them to their owners in backward.
+    layers = _hand_layers()
+    flow = _stages("after_backward", "layer", broadcast="update", grad_sync="between", factor_sync="owner")
+    flow = replace(flow, factor_exchange="inversion")
+    two = KFACConfig(inv_update_freq=2)
+    routed = simulation.simulate(layers, prof, 2, flow, kfac=two, scatters=False, inverting=False, direct=True)
+    ddp = simulation.simulate(layers, prof, 2, flow, kfac=two, scatters=False, inverting=False, direct=False)
+    assert routed["GradComm"] < ddp["GradComm"], (routed, ddp)
 
 
 def test_auto_compares_the_presets_over_the_recipes_inverse_period(caplog: pytest.LogCaptureFixture) -> None:

@@ -56,7 +56,7 @@ from kfacflow.perf import InverseModel, Profile  # noqa: E402
 
 ENGINES = {
     "nccl": EngineCaps(reduces=True, scatters=True, gathers=True),
-    "gloo": EngineCaps(reduces=True, scatters=False, gathers=True),
+    "gloo": EngineCaps(reduces=True, scatters=False, gathers=True, direct=True),
     "horovod": EngineCaps(reduces=False, scatters=False, gathers=False),
 }
 """``--engine``: the capabilities of the engines kfacflow runs on (:attr:`~kfacflow.comm.base.Backend.reduces` ...)."""
@@ -187,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                 caps.scatters,
                 caps.gathers,
                 caps.reduces,
+                caps.direct,
             )
             results.append({"workers": workers, "variant": v, **parts})
             totals[v] = parts["total"]

@@ -62,6 +62,10 @@ class Backend(ABC):
     all-reduce's traffic (else it all-reduces the buffer: reducing to several owners gains nothing)."""
     gathers: bool = False
     """Whether :meth:`gather_async` moves each rank's piece alone, likewise (else a zero-filled all-reduce)."""
+    direct: bool = False
+    """Whether :meth:`reduce_to_owners_async` sends each piece straight to its owner, point to point: each rank
+    sends what it does not own and each owner receives P - 1 copies of its piece (half an all-reduce's
+    traffic at P = 2, where a reduce-scatter and an all-to-all move no less; gloo)."""
     last_grad_launch: Any = 0.0
     """When the last gradient all-reduce of this step was launched: a :attr:`clock` reading."""
     clock: Callable[[], Any] = staticmethod(time.perf_counter)

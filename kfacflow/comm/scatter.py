@@ -61,12 +61,26 @@ def cost(model: LinearModel, counts: Sequence[int]) -> float:
     return 2 * model.alpha + model.beta * (total * (world - 1) / world + max(max(counts), chunk_size(total, world)))
 
 
-def pays(allreduce: LinearModel, reduce: LinearModel, counts: Sequence[int]) -> bool:
-    """Whether the two steps (:func:`cost`) beat one all-reduce of the same pieces, by the models.
+def direct_cost(model: LinearModel, counts: Sequence[int]) -> float:
+    """Seconds to send each piece straight to its owner (gloo's point-to-point reduction, :attr:`.Backend.direct`).
 
-    Only from three ranks on: at P = 2 they move no fewer bytes (half the buffer, then the
-    larger piece) and pay one start-up more.
+    Every rank sends what it does not own and receives P - 1 copies of its own piece, at once in
+    both directions: the busiest rank's larger direction, after P - 1 start-ups.
     """
+    world, total = len(counts), sum(counts)
+    busiest = max(max(total - c, (world - 1) * c) for c in counts)
+    return (world - 1) * model.alpha + model.beta * busiest
+
+
+def pays(allreduce: LinearModel, reduce: LinearModel, counts: Sequence[int], direct: bool = False) -> bool:
+    """Whether reducing to the owners beats one all-reduce of the same pieces, by the models.
+
+    The two steps (:func:`cost`) only from three ranks on: at P = 2 they move no fewer bytes
+    (half the buffer, then the larger piece) and pay one start-up more. Sent straight to their
+    owners (``direct``, :func:`direct_cost`) from two.
+    """
+    if direct:
+        return len(counts) > 1 and direct_cost(reduce, counts) < allreduce(sum(counts))
     return len(counts) > 2 and cost(reduce, counts) < allreduce(sum(counts))
 
 

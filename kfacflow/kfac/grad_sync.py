@@ -9,8 +9,8 @@ K-FAC runs. What it decides of the plan it writes into the plan's :class:`~kfacf
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
 from typing import Any, ClassVar
 
@@ -21,7 +21,7 @@ from kfacflow.comm import scatter
 from kfacflow.comm.base import Backend, Handle
 from kfacflow.kfac.plan import Choice
 from kfacflow.kfac.stages import EVERY_RANK
-from kfacflow.kfac.strategies import AFTER_BACKWARD, OWNERS_PRECONDITION, GradSync
+from kfacflow.kfac.strategies import AFTER_BACKWARD, OWNERS_PRECONDITION, Gradients, GradSync
 from kfacflow.registry import GRAD_SYNCS
 from kfacflow.replay import Replay, buckets
 
@@ -122,7 +122,7 @@ class Overlap(GradSync):
         """DDP averages in the step's last backward pass only (earlier micro-batches accumulate)."""
         return nullcontext() if last else backend.no_sync(net)
 
-    def gradients(self, backend: Backend, params: list[nn.Parameter]) -> GradientAllreduce | None:
+    def gradients(self, backend: Backend, params: list[nn.Parameter]) -> Gradients | None:
         """None: the backward pass averaged them."""
         return None
 
@@ -130,9 +130,9 @@ class Overlap(GradSync):
         """The averaged gradients are here (the same on every rank): check them now."""
         return finite()
 
-    def in_backward(self, r: Replay) -> list[tuple[float, int]]:
+    def in_backward(self, r: Replay) -> list[tuple[float, int, int | None]]:
         """The simulator's :meth:`backward`: DDP posts each bucket as the backward pass fills it."""
-        return r.buckets
+        return [(at, m, None) for at, m in r.buckets]
 
     def replay(self, r: Replay) -> None:
         """The backward pass returns once DDP's buckets are averaged."""
@@ -158,7 +158,7 @@ class Deferred(Overlap):
         """Not averaged yet where several ranks run (ranks could disagree): checked after the step, preconditioned."""
         return backend.world_size > 1 or finite()
 
-    def in_backward(self, r: Replay) -> list[tuple[float, int]]:
+    def in_backward(self, r: Replay) -> list[tuple[float, int, int | None]]:
         """Nothing in the backward pass."""
         return []
 
@@ -179,7 +179,8 @@ class Deferred(Overlap):
                     shared += row["params"]
                 else:
                     routed[owner] += row["params"]
-            r.grads_done = r.link.send(max(r.start, r.link.free), scatter.cost(r.prof.broadcast, routed))
+            cost = scatter.direct_cost if r.direct else scatter.cost
+            r.grads_done = r.link.send(max(r.start, r.link.free), cost(r.prof.broadcast, routed))
             grads, r.routed = buckets(shared), True
         for _, m in grads:
             r.grads_done = r.link.send(max(r.start, r.link.free), r.prof.allreduce(m))
@@ -187,7 +188,10 @@ class Deferred(Overlap):
 
 
 class Owner(Deferred):
-    """As deferred; each owned layer's gradients go to its owner alone where that costs less (from P = 3)."""
+    """As deferred; each owned layer's gradients go to its owner alone where that costs less.
+
+    From P = 3 with a reduce-scatter (NCCL), from P = 2 where each piece is sent straight to its owner (gloo).
+    """
 
     needs: ClassVar[Mapping[str, str]] = {OWNERS_PRECONDITION: "deferred", AFTER_BACKWARD: "overlap"}
     does = "leaves each layer's gradients on its owner alone"
@@ -197,20 +201,177 @@ class Owner(Deferred):
         return replace(choice, grad_to_owner=True)
 
 
+class ToOwners:
+    """A backward pass's gradients sent as computed: each owned layer's to its owner alone, the rest all-reduced.
+
+    Buckets of :attr:`BUCKET_BYTES` per destination, posted on K-FAC's group from each parameter's
+    post-accumulate hook, in the order the backward pass computes them (the same on every rank);
+    the last, smaller ones when the pass is over (:meth:`flush`). :meth:`wait` writes the averages
+    back: every rank's for the all-reduced parameters, the owner's alone for its own (the other
+    ranks keep their local gradients, which nothing reads: the owner sends the layer's update).
+
+    The parameters whose averages the step rebuilds from rows are not sent at all: to the
+    preconditioner this is the step's :class:`~kfacflow.kfac.strategies.Gradients`, with nothing left
+    to launch, which leaves out those it was built without and averages on demand those a rank's rows
+    could not give (:meth:`average`).
+
+    Args:
+        backend: The engine.
+        owner: Each routed parameter's owner, by ``id``; the rest are all-reduced.
+        rebuilt: The parameters none of whose gradients is sent (the step rebuilds their averages).
+    """
+
+    BUCKET_BYTES = 4 * 2**20
+
+    def __init__(self, backend: Backend, owner: dict[int, int], rebuilt: Sequence[Tensor] = ()) -> None:
+        self.backend, self.owner = backend, owner
+        self.unsent, self.rebuilt = list(rebuilt), {id(p) for p in rebuilt}
+        self.pending: dict[int, tuple[list[Tensor], int]] = {}
+        self.posted: list[tuple[int, list[Tensor], Tensor, Handle]] = []
+
+    def ready(self, param: Tensor) -> None:
+        """A parameter's gradient is final for this step: queue it, and post its bucket once full."""
+        if id(param) in self.rebuilt:
+            return
+        key = self.owner.get(id(param), EVERY_RANK)
+        params, nbytes = self.pending.get(key, ([], 0))
+        assert param.grad is not None
+        params.append(param)
+        nbytes += param.grad.numel() * param.grad.element_size()
+        self.pending[key] = (params, nbytes)
+        if nbytes >= self.BUCKET_BYTES:
+            self._post(key)
+
+    def flush(self) -> None:
+        """Post what is left, destinations in a fixed order (every rank posts the same collectives alike)."""
+        for key in sorted(self.pending):
+            self._post(key)
+
+    def _post(self, key: int) -> None:
+        params, _ = self.pending.pop(key)
+        flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
+        handle = self.backend.allreduce_async(flat) if key == EVERY_RANK else self.backend.reduce_async(flat, key)
+        self.posted.append((key, params, flat, handle))
+
+    def wait(self) -> None:
+        """Wait for every bucket and write the averages back where this rank holds them."""
+        self.flush()
+        for key, params, flat, handle in self.posted:
+            handle.wait()
+            if key in (EVERY_RANK, self.backend.rank):
+                flat.div_(self.backend.world_size)
+                offset = 0
+                for p in params:
+                    assert p.grad is not None
+                    p.grad.copy_(flat[offset : offset + p.grad.numel()].view_as(p.grad))
+                    offset += p.grad.numel()
+        self.posted = []
+
+    def route(self, owned: list[list[Tensor]]) -> None:
+        """Nothing: the backward pass routed them."""
+
+    def launch(self) -> None:
+        """Nothing: the backward pass posted them."""
+
+    def leave(self, params: list[Tensor]) -> None:
+        """The step rebuilds these from rows (over any average sent); one unsent and not rebuilt is averaged now."""
+        left = {id(p) for p in params}
+        self.average([p for p in self.unsent if id(p) not in left])
+
+    def average(self, params: list[Tensor]) -> None:
+        """Average these now, in one blocking all-reduce (every rank calls it alike): rows that did not give them."""
+        GradientAllreduce(self.backend, []).average(params)
+
+
+class InBackward(Overlap):
+    """Between steps that exchange factors (``between``, where the plan routes them): gradients to owners in backward.
+
+    Not a recipe's name: :meth:`Between.for_step` makes one per step from the plan's routes. DDP
+    averages nothing; the last micro-batch's backward pass sends each owned layer's gradients to its
+    owner alone, as they are computed (:class:`ToOwners`), so the link carries half an all-reduce's
+    traffic at P = 2 while the backward pass runs, and the update exchange the other half.
+
+    Args:
+        routes: The plan's routes (:meth:`Between.for_step`): the parameters each rank receives alone
+            (the running step), or each layer's owner (the simulator's replay).
+        rebuilt: The parameters whose averages the step rebuilds from rows: not sent.
+    """
+
+    does = "sends each owned layer's gradients to its owner during the backward pass"
+
+    def __init__(self, routes: Sequence[Any], rebuilt: Sequence[Tensor] = ()) -> None:
+        self.routes, self.rebuilt = routes, rebuilt
+        self.sending: ToOwners | None = None
+
+    @contextmanager
+    def backward(self, backend: Backend, net: nn.Module, last: bool) -> Iterator[None]:
+        """DDP averages nothing; in the last micro-batch, each gradient is posted once accumulated."""
+        with backend.no_sync(net):
+            if not last:
+                yield
+                return
+            owner = {id(p): rank for rank, params in enumerate(self.routes) for p in params}
+            self.sending = ToOwners(backend, owner, self.rebuilt)
+            params = [p for p in net.parameters() if p.requires_grad]
+            hooks = [p.register_post_accumulate_grad_hook(self.sending.ready) for p in params]
+            try:
+                yield
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            self.sending.flush()
+
+    def finish(self, backend: Backend, optimizer: torch.optim.Optimizer) -> None:
+        """Wait for the backward pass's buckets and write back the averages this rank holds."""
+        if self.sending is not None:
+            self.sending.wait()
+        backend.finish_gradients(optimizer)
+
+    def gradients(self, backend: Backend, params: list[nn.Parameter]) -> Gradients | None:
+        """What the backward pass sent (nothing left to launch), for the rows to rebuild the rest."""
+        return self.sending
+
+    def usable(self, backend: Backend, finite: Callable[[], bool]) -> bool:
+        """Owned layers' gradients differ between ranks (only owners hold averages): checked after the step."""
+        return backend.world_size > 1 or finite()
+
+    def in_backward(self, r: Replay) -> list[tuple[float, int, int | None]]:
+        """The layers' gradients in :class:`ToOwners`' buckets (each destination's), as the backward pass makes them."""
+        per_bucket = ToOwners.BUCKET_BYTES // 4
+        posted: list[tuple[float, int, int | None]] = []
+        pending: dict[int, int] = {}
+        for at, j in r.layer_grads:
+            key = self.routes[j]
+            pending[key] = pending.get(key, 0) + r.rows[j]["params"]
+            if pending[key] >= per_bucket:
+                posted.append((at, pending.pop(key), None if key == EVERY_RANK else key))
+        end = r.layer_grads[-1][0] if r.layer_grads else r.t_bwd
+        posted += [(end, m, None if key == EVERY_RANK else key) for key, m in sorted(pending.items())]
+        return posted
+
+    def replay(self, r: Replay) -> None:
+        """As overlap's: the step waits for the buckets; the owners then send the KL clipping's ``v.g``."""
+        super().replay(r)
+        r.routed = True
+
+
 class Between(Owner):
-    """As owner on a step whose factors travel after its backward pass; between those steps, as overlap.
+    """As owner on a step whose factors travel after its backward pass; between those steps, to owners during backward.
 
     With ``kfac.factor_exchange=inversion`` the link is idle during most steps' backward passes, so
-    their gradients go there, as DDP's buckets; a step that exchanges factors sends its gradients
-    behind them. The trainer asks :meth:`for_step` each step; the library, which does not wrap the
-    model, averages after the backward pass every step (as owner).
+    their gradients go there: each owned layer's to its owner alone where the plan routes gradients
+    (:class:`InBackward`), otherwise all-reduced in DDP's buckets (as overlap); a step that exchanges
+    factors sends its gradients behind them. The trainer asks :meth:`for_step` each step; the
+    library, which does not wrap the model, averages after the backward pass every step (as owner).
     """
 
     does = "averages the gradients after the backward pass of a step that exchanges factors"
 
-    def for_step(self, sends: bool) -> GradSync:
-        """Owner's behaviour where the step sends factors, overlap's elsewhere."""
-        return self if sends else OVERLAP
+    def for_step(self, sends: bool, routes: Sequence[Any] | None = None, rebuilt: Sequence[Tensor] = ()) -> GradSync:
+        """Owner's where the step sends factors; elsewhere to the plan's owners during backward, or overlap's."""
+        if sends:
+            return self
+        return InBackward(routes, rebuilt) if routes else OVERLAP
 
 
 OVERLAP = Overlap()
@@ -225,11 +386,11 @@ GRAD_SYNCS.add(
     "owner",
     Owner(),
     "as deferred, but each owned layer's gradients reduced to its owner alone where that costs less "
-    "(kfac.broadcast=update, three ranks or more)",
+    "(kfac.broadcast=update; gloo from two ranks, NCCL from three)",
 )
 GRAD_SYNCS.add(
     "between",
     Between(),
-    "as owner on a step that exchanges factors, as overlap on the others (kfac.factor_exchange=inversion: "
-    "the link is free during most backward passes)",
+    "as owner on a step that exchanges factors; on the others during backward, to the owners where owner "
+    "routes them, else as overlap (kfac.factor_exchange=inversion: the link is free during most backward passes)",
 )

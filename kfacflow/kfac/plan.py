@@ -31,11 +31,13 @@ class EngineCaps:
     ``reduces``: a reduction to one rank (Horovod has none; nor has gloo with CUDA tensors).
     ``scatters``: a reduction to several owners at once, each receiving its own piece (NCCL's pays).
     ``gathers``: every owner's piece to every rank at once.
+    ``direct``: a reduction to several owners sent straight to each, point to point (gloo's pays from P = 2).
     """
 
     reduces: bool = True
     scatters: bool = False
     gathers: bool = False
+    direct: bool = False
 
     @classmethod
     def of(cls, backend: object) -> EngineCaps:
@@ -44,6 +46,7 @@ class EngineCaps:
             bool(getattr(backend, "reduces", False)),
             bool(getattr(backend, "scatters", False)),
             bool(getattr(backend, "gathers", False)),
+            bool(getattr(backend, "direct", False)),
         )
 
 
@@ -192,15 +195,16 @@ def _grad_owners(
 ) -> tuple[int, ...] | None:
     """The rank each owned layer's gradients go to alone (``kfac.grad_sync=owner``), or ``None``.
 
-    From three ranks on, where the engine moves pieces to their owners alone and the models say
-    one reduction to the owners costs less than all-reducing the same gradients (at P = 2 it
-    moves no fewer bytes).
+    Where the engine moves pieces to their owners alone and the models say one reduction to the
+    owners costs less than all-reducing the same gradients: from three ranks on for a reduce-scatter
+    (at P = 2 it moves no fewer bytes), from two where each piece goes straight to its owner.
     """
-    if not (choice.grad_to_owner and choice.update and caps.scatters and profile is not None and world > 1):
+    direct = caps.reduces and caps.direct and not caps.scatters
+    if not (choice.grad_to_owner and choice.update and (caps.scatters or direct) and profile is not None and world > 1):
         return None
     per_layer = tuple(owners[::2])
     counts = [0] * world
     for (_, _, params), owner in zip(layers, per_layer, strict=True):
         if owner != EVERY_RANK:
             counts[owner] += params
-    return per_layer if scatter.pays(profile.allreduce, profile.broadcast, counts) else None
+    return per_layer if scatter.pays(profile.allreduce, profile.broadcast, counts, direct) else None

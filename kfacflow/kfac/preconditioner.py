@@ -165,6 +165,12 @@ class Preconditioner:
         """
         return self.schedule.factors() and (self.local is None or self.schedule.inverts())
 
+    def rebuilt(self) -> list[Tensor]:
+        """The parameters whose averages the step rebuilds from rows (:meth:`.RowCapture.leave`): none need travel."""
+        if self.backend.world_size == 1:
+            return []
+        return [p for layer in self.layers if self.rows.chosen(layer.name) for p in layer.params]
+
     def _plan(self, ready: dict[str, float] | None = None) -> None:
         """Make a slot per factor of :attr:`layers` and the step's :class:`~kfacflow.kfac.plan.StepPlan`.
 

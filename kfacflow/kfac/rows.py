@@ -19,7 +19,8 @@ fewer sends zero rows, which add nothing to ``D^T a``; one with more cannot send
 stage's check (its rows must give the gradient) falls back to the gradient.
 
 Where the step averages gradients itself after the backward pass (``kfac.grad_sync=deferred``,
-``owner``, or ``between`` on a step that exchanges factors), the chosen layers' gradients need not
+``owner``, or ``between`` on a step that exchanges factors), or sends them to their owners during it
+(``between`` on the other steps, where the plan routes gradients), the chosen layers' gradients need not
 travel at all: each rank checks its own rows against its own gradient before sending them (a flag
 in its share of the message), and once every rank's rows are here the averaged gradient is
 ``D_all^T a_all / P`` (:meth:`RowCapture.leave`, :meth:`RowCapture.rebuild`). A layer whose rows

@@ -16,7 +16,7 @@ does not allow.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -227,16 +227,28 @@ class GradSync(Strategy, Protocol):
         """Whether the step may go on, as far as its gradients can be checked before K-FAC runs (``finite``)."""
         ...
 
-    def in_backward(self, r: Replay) -> list[tuple[float, int]]:
-        """The simulator's :meth:`backward`: the gradient collectives the backward pass posts (when, elements)."""
+    def in_backward(self, r: Replay) -> list[tuple[float, int, int | None]]:
+        """The simulator's :meth:`backward`: the gradient collectives the backward pass posts.
+
+        Each as (when, elements, owner): ``None`` for an all-reduce, else the rank it is reduced to.
+        """
         ...
 
     def replay(self, r: Replay) -> None:
         """Replay the rest of the gradient traffic; set when the step starts and when the gradients are here."""
         ...
 
-    def for_step(self, sends: bool) -> GradSync:
-        """The grad sync of a step whose factors do (``sends``) or do not travel after its backward pass: itself."""
+    def finish(self, backend: Backend, optimizer: torch.optim.Optimizer) -> None:
+        """Complete what the backward pass posted of the gradients (GradComm): the engine's (Horovod's hooks)."""
+        backend.finish_gradients(optimizer)
+
+    def for_step(self, sends: bool, routes: Sequence[Any] | None = None, rebuilt: Sequence[Tensor] = ()) -> GradSync:
+        """The grad sync of a step whose factors do (``sends``) or do not travel after its backward pass: itself.
+
+        ``routes``: where the plan routes gradients to owners (empty or ``None`` where it does not): the
+        parameters each rank receives alone (the running step), or each layer's owner (the simulator).
+        ``rebuilt``: the parameters whose averages the step rebuilds from rows (none of it need travel).
+        """
         return self
 
 
