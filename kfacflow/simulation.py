@@ -273,7 +273,7 @@ def _passes(
     costs = inverse_costs(rows, prof, use_measured)
     factor_comp = hooks + update_total if factors else 0.0
     step = Replay(rows, measured, prof, workers, plan, costs, update, factor_comp, ffbp, Link(), {}, t, grads)
-    step.layer_grads, step.direct = layer_grads, caps.reduces and caps.direct and not caps.scatters
+    step.layer_grads, step.direct = layer_grads, caps.sends_direct
     return step, launches if factors else [], elements
 
 

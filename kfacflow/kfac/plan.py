@@ -39,6 +39,11 @@ class EngineCaps:
     gathers: bool = False
     direct: bool = False
 
+    @property
+    def sends_direct(self) -> bool:
+        """Whether a reduction to owners goes straight to each owner (``direct``, where no reduce-scatter pays)."""
+        return self.reduces and self.direct and not self.scatters
+
     @classmethod
     def of(cls, backend: object) -> EngineCaps:
         """The flags of ``backend`` (a :class:`~kfacflow.comm.base.Backend`)."""
@@ -199,7 +204,7 @@ def _grad_owners(
     owners costs less than all-reducing the same gradients: from three ranks on for a reduce-scatter
     (at P = 2 it moves no fewer bytes), from two where each piece goes straight to its owner.
     """
-    direct = caps.reduces and caps.direct and not caps.scatters
+    direct = caps.sends_direct
     if not (choice.grad_to_owner and choice.update and (caps.scatters or direct) and profile is not None and world > 1):
         return None
     per_layer = tuple(owners[::2])
