@@ -108,11 +108,16 @@ class GradientAllreduce:
         self.inflight = []
 
     def _write_back(self, grads: list[Tensor], flat: Tensor) -> None:
-        flat.div_(self.backend.world_size)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        write_back(grads, flat, self.backend.world_size)
+
+
+def write_back(grads: list[Tensor], flat: Tensor, world_size: int) -> None:
+    """Divide the summed ``flat`` by ``world_size`` and copy it back into ``grads``, laid end to end."""
+    flat.div_(world_size)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 class Overlap(GradSync):
@@ -227,18 +232,18 @@ class ToOwners:
         self.backend, self.owner = backend, owner
         self.unsent, self.rebuilt = list(rebuilt), {id(p) for p in rebuilt}
         self.pending: dict[int, tuple[list[Tensor], int]] = {}
+        """Each destination's gradients not yet posted, and their bytes."""
         self.posted: list[tuple[int, list[Tensor], Tensor, Handle]] = []
 
     def ready(self, param: Tensor) -> None:
         """A parameter's gradient is final for this step: queue it, and post its bucket once full."""
-        if id(param) in self.rebuilt:
+        if id(param) in self.rebuilt or param.grad is None:
             return
         key = self.owner.get(id(param), EVERY_RANK)
-        params, nbytes = self.pending.get(key, ([], 0))
-        assert param.grad is not None
-        params.append(param)
+        grads, nbytes = self.pending.get(key, ([], 0))
+        grads.append(param.grad)
         nbytes += param.grad.numel() * param.grad.element_size()
-        self.pending[key] = (params, nbytes)
+        self.pending[key] = (grads, nbytes)
         if nbytes >= self.BUCKET_BYTES:
             self._post(key)
 
@@ -248,23 +253,18 @@ class ToOwners:
             self._post(key)
 
     def _post(self, key: int) -> None:
-        params, _ = self.pending.pop(key)
-        flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
+        grads, _ = self.pending.pop(key)
+        flat = torch.cat([g.reshape(-1) for g in grads])
         handle = self.backend.allreduce_async(flat) if key == EVERY_RANK else self.backend.reduce_async(flat, key)
-        self.posted.append((key, params, flat, handle))
+        self.posted.append((key, grads, flat, handle))
 
     def wait(self) -> None:
         """Wait for every bucket and write the averages back where this rank holds them."""
         self.flush()
-        for key, params, flat, handle in self.posted:
+        for key, grads, flat, handle in self.posted:
             handle.wait()
             if key in (EVERY_RANK, self.backend.rank):
-                flat.div_(self.backend.world_size)
-                offset = 0
-                for p in params:
-                    assert p.grad is not None
-                    p.grad.copy_(flat[offset : offset + p.grad.numel()].view_as(p.grad))
-                    offset += p.grad.numel()
+                write_back(grads, flat, self.backend.world_size)
         self.posted = []
 
     def route(self, owned: list[list[Tensor]]) -> None:
