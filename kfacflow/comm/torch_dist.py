@@ -163,8 +163,8 @@ class TorchBackend(Backend):
             self.gathers = self.reduces
             self.scatters = self.reduces and engine != "gloo"
             # Gloo's point-to-point sends move only what each owner lacks: 51 MB between two nodes at 1 Gbit/s,
-            # each rank's half to the other in 0.21 s against 0.43 s for the all-reduce and 0.46 s for the
-            # reduce-scatter (2026-12-03).
+            # each rank's half to the other in 0.21-0.23 s against 0.43 s for the all-reduce and 0.46 s for the
+            # reduce-scatter (tools/bench_comm.py, 2026-12-03).
             self.direct = self.reduces and engine == "gloo"
             self.in_order = engine == "nccl"
             self._objects = dist.new_group(backend="gloo", timeout=timeout)
