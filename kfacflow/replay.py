@@ -1,10 +1,10 @@
 """The simulator's model of a step, which each strategy replays its own part on (:mod:`kfacflow.simulation`).
 
 One shared :class:`Link` carries every collective, one at a time in the order they are posted (a
-reduction to one rank between two ranks takes one direction only); each rank has a :class:`Clock`
-that counts what it waited for; :class:`Replay` is what the passes leave for the strategies: when
-each factor arrived, when the gradients are averaged, the plan, the costs. A strategy's ``replay``
-reads and advances it, as its ``run`` does the real step.
+reduction to one rank, or an update sent point to point, between two ranks takes one direction only);
+each rank has a :class:`Clock` that counts what it waited for; :class:`Replay` is what the passes leave
+for the strategies: when each factor arrived, when the gradients are averaged, the plan, the costs. A
+strategy's ``replay`` reads and advances it, as its ``run`` does the real step.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ PARTS = ("FF&BP", "GradComm", "FactorComp", "FactorComm", "InverseComp", "Invers
 class Link:
     """One shared network link: operations run one at a time in the order they are posted.
 
-    A reduction to one rank between two (``into``) uses one direction only: reductions to
-    different ranks run at once, each after everything posted before it that uses its direction.
+    A reduction to one rank between two (``into``), or a transfer point to point, uses one direction
+    only: those into different ranks run at once, each after everything posted before it that uses its
+    direction.
     """
 
     free: float = 0.0
@@ -91,6 +92,9 @@ class Replay:
     """When each layer's gradients are ready in the backward pass, and the layer (an index into :attr:`rows`)."""
     direct: bool = False
     """Whether a reduction to owners goes straight to each owner (:func:`kfacflow.comm.scatter.direct_cost`)."""
+    updates_direct: bool = False
+    """Whether owners send updates point to point, one direction each
+    (:meth:`~kfacflow.kfac.plan.EngineCaps.sends_updates_direct`)."""
     grads_done: float = 0.0
     """When the gradients are averaged (the grad sync's replay sets it)."""
     start: float = 0.0

@@ -264,7 +264,7 @@ def _passes(
     launches = plan_launches(entry.obj(fusion), forward, t_fwd, backward, t)  # the plan is the factor steps'
     elements = {r.key: r.elements for r in (*forward, *backward)}
     expected = estimated_arrivals([[(k, elements[k]) for k in keys] for _, keys in launches], prof.allreduce)
-    plan = step_plan(rows, prof, workers, stages, caps, expected)
+    plan = step_plan(rows, prof, workers, stages, caps, expected, int(kfac.inv_update_freq))
     dims = [d for r in rows for d in (r["a_dim"], r["g_dim"])]
     # Averaging a factor into its running average: the traced FactorComp beyond the hooks, by size.
     update_total = max(0.0, measured.get("FactorComp", hooks) - hooks) if factors else 0.0
@@ -274,6 +274,7 @@ def _passes(
     factor_comp = hooks + update_total if factors else 0.0
     step = Replay(rows, measured, prof, workers, plan, costs, update, factor_comp, ffbp, Link(), {}, t, grads)
     step.layer_grads, step.direct = layer_grads, caps.sends_direct
+    step.updates_direct = caps.sends_updates_direct(workers)
     return step, launches if factors else [], elements
 
 
@@ -284,15 +285,17 @@ def step_plan(
     stages: Stages,
     caps: EngineCaps,
     expected: dict[str, float] | None = None,
+    inverse_every: int = 1,
 ) -> StepPlan:
     """The plan the running preconditioner makes for these layers (:func:`~kfacflow.kfac.plan.make_plan`).
 
-    ``expected``: when each factor is expected to arrive (the trainer's estimate from the fusion's groups).
+    ``expected``: when each factor is expected to arrive (the trainer's estimate from the fusion's groups);
+    ``inverse_every``: ``kfac.inv_update_freq``. Layers go by their gradients (the simulator has no rows).
     """
     layout = [(r["a_dim"], r["g_dim"], r["params"]) for r in rows]
     keys = [f"{r['name']}/{side}" for r in rows for side in ("A", "G")]
     ready = [expected.get(k, 0.0) for k in keys] if expected is not None else None
-    return make_plan(layout, Choice.named(stages), workers, profile, caps, True, ready)
+    return make_plan(layout, Choice.named(stages), workers, profile, caps, True, ready, None, inverse_every)
 
 
 def average(profiles: list[dict[str, Any]]) -> dict[str, Any]:

@@ -100,7 +100,7 @@ def test_between_averages_in_backward_where_no_factors_travel_and_trains_as_owne
 PROFILE = """\
 allreduce: {alpha: 1.0e-4, beta: 3.0e-8}
 broadcast: {alpha: 5.0e-5, beta: 3.0e-8}
-inverse: {kind: cubic, alpha: 1.0e-4, beta: 1.0e-11}
+inverse: {kind: cubic, alpha: 1.0e-4, beta: 1.0e-10}
 """
 
 

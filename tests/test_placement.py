@@ -13,9 +13,11 @@ from kfacflow.kfac.placement import (
     layer_order,
     lbp,
     local,
+    precondition_cost,
     round_robin,
     update_buckets,
 )
+from kfacflow.kfac.update_plan import layer_work
 from kfacflow.perf import InverseModel, LinearModel, Profile
 
 
@@ -119,6 +121,60 @@ def test_layer_placement_gives_whole_layers_and_keeps_cheap_ones_everywhere() ->
     assert layer(DIMS, [70, 70, 72, 72], 1, profile(0.0)) == [EVERY_RANK] * 4
     with pytest.raises(UserError, match="kfac.placement=layer needs performance models"):
         layer(DIMS, [70, 70, 72, 72], 2, None)
+
+
+def test_layer_placement_by_a_steps_work_sends_updates_while_the_owners_compute() -> None:
+    work, sizes = [1.0, 0.9, 0.3, 0.2], [100, 100, 100, 100, 100, 100, 400, 400]
+    dims = [10, 7, 8, 9, 2, 2, 3, 3]
+    # Costliest first to the least loaded: 1.0 -> r0, 0.9 -> r1, 0.3 -> r1 (1.2), 0.2 -> r0 (1.2). Sending
+    # overlaps the work, so however dear a broadcast, no layer is shared while the link keeps up.
+    assert layer(dims, sizes, 2, profile(0.0), work) == [0, 0, 1, 1, 1, 1, 0, 0]
+    assert layer(dims, sizes, 2, profile(0.3), work) == [0, 0, 1, 1, 1, 1, 0, 0]  # sends 0.6 / 0.6 s < 1.2 s
+    # At 5 ms an element rank 0 sends 0.5 + 2.0 s against 1.2 s of work: the link bounds the step. Of its
+    # layers the last sends 10 s per second of work (the first 0.5): every rank does it, nothing is sent,
+    # and rank 1's work grows to 1.4 s, more than either rank's 1.0 / 0.5 s of sends.
+    assert layer(dims, sizes, 2, profile(0.0, 0.005), work) == [0, 0, 1, 1, 1, 1, EVERY_RANK, EVERY_RANK]
+    # Beyond two ranks every update shares one link: at P = 3 the four 0.3 s sends (1.2 s) outlast rank 0's
+    # 1.0 s of work, so rank 2's costlier sender per second of work (0.2 s of work) goes to every rank.
+    assert layer(dims, sizes, 3, profile(0.3), work) == [0, 0, 1, 1, 2, 2, EVERY_RANK, EVERY_RANK]
+    assert layer(dims, sizes, 1, profile(0.0), work) == [EVERY_RANK] * 8
+
+
+def test_a_steps_work_counts_rows_and_a_share_of_the_inversions() -> None:
+    # The recipe's method inverts at 0.5e-3 d^3 s; a dense inverse (what preconditioning's products cost
+    # per multiply-add) at 1e-3 d^3 s.
+    prof = Profile(LinearModel(0, 0), LinearModel(0, 0), InverseModel("cubic", 0.0, 5e-4))
+    prof.methods["cholesky"] = InverseModel("cubic", 0.0, 1e-3)
+    # (A 10, G 7): 10 * 7 * 17 = 1190 multiply-adds from the gradient; from 2 rows 2 (100 + 49 + 70) = 438.
+    assert precondition_cost(10, 7, prof) == pytest.approx(0.595)
+    assert precondition_cost(10, 7, prof, dense=True) == pytest.approx(1.19)
+    assert precondition_cost(10, 7, prof, 2, dense=True) == pytest.approx(0.438)
+    # Inverting both factors (0.5 + 0.1715 s) once in 10 steps.
+    pre, work = layer_work([10, 7, 8, 9], prof, [2, 0], 10)
+    assert pre == pytest.approx([0.438, 8 * 9 * 17 * 1e-3])
+    assert work == pytest.approx([0.438 + 0.06715, 1.224 + (0.256 + 0.3645) / 10])
+
+
+def test_the_plan_places_layers_by_a_steps_work_only_between_inversions() -> None:
+    from kfacflow.kfac.plan import Choice, EngineCaps, make_plan
+    from kfacflow.kfac.stages import Inverse
+    from kfacflow.registry import PLACEMENTS
+
+    layers = [(10, 7, 70), (8, 9, 72), (2, 2, 4), (3, 3, 9)]
+    choice = Choice(PLACEMENTS.get("layer"), Inverse, update=True)
+
+    def owners(**kwargs: object) -> list[int]:
+        return list(make_plan(layers, choice, 2, profile(0.0), EngineCaps(), **kwargs).owners[::2])  # type: ignore[arg-type]
+
+    # Every step, Algorithm 1 on whole layers: 2.533 s -> r0, 2.465 -> r1, 0.108 -> r1, 0.032 -> r0.
+    assert owners() == [0, 1, 0, 1]
+    # Inverting once in 10 steps: 1.19 + 0.1343 s, 1.224 + 0.1241 (the costliest now), 0.0016 + 0.016,
+    # 0.054 + 0.0054: (8, 9) -> r0, (10, 7) -> r1, (3, 3) -> r1 (1.384), (2, 2) -> r0 (1.366).
+    assert owners(inverse_every=10) == [1, 0, 0, 1]
+    # (8, 9) from 2 rows a step (2 (64 + 81 + 72) = 434 multiply-adds): 0.558 s, so (10, 7) -> r0 and
+    # everything else -> r1 (0.558 + 0.0594 + 0.0176 s).
+    assert owners(inverse_every=10, rows=[0, 2, 0, 0]) == [0, 1, 1, 1]
+    assert owners(rows=[0, 2, 0, 0]) == [0, 1, 0, 1]  # every step: as before
 
 
 def test_by_layer_puts_both_factors_with_the_larger_communicated_one() -> None:

@@ -105,6 +105,42 @@ def test_pieces_reach_their_owners_on_gloo_ranks(world: int) -> None:
     assert run_in_gloo(_pieces, world) == [True] * world
 
 
+def _point_to_point(rank: int, world: int) -> bool:
+    from kfacflow.comm import torch_dist
+
+    torch_dist.P2P_CHUNK_BYTES = 64  # 8 float64 a chunk: the 21-element tensor goes in three
+    backend = TorchBackend(DistConfig(device="cpu"))
+    try:
+        other = 1 - rank
+        shapes = [(0,), (5,), (3, 7), (2, 2)]
+        tags = [backend.reserve(torch.empty(shape, dtype=torch.float64)) for shape in shapes]
+        assert tags == [0, 1, 2, 5]  # a tag a chunk, an empty tensor one; the same on every rank
+        mine = [torch.randn(shape, dtype=torch.float64) for shape in shapes]
+        theirs = backend.gather_objects(mine)[other]
+        got = [torch.empty(shape, dtype=torch.float64) for shape in shapes]
+        if rank == 0:  # every receive before the sends, in reverse order; the other rank sends first
+            recvs = [backend.recv_async(got[i], other, tags[i]) for i in reversed(range(len(shapes)))]
+            sends = [backend.send_async(mine[i], other, tags[i]) for i in range(len(shapes))]
+        else:
+            sends = [backend.send_async(mine[i], other, tags[i]) for i in range(len(shapes))]
+            recvs = [backend.recv_async(got[i], other, tags[i]) for i in range(len(shapes))]
+        for handle in sends + recvs:
+            handle.wait()
+        assert all(torch.equal(g, t) for g, t in zip(got, theirs, strict=True))
+        # A reduction to one rank takes the next tags on every rank alike.
+        total = torch.full((9,), float(rank + 1), dtype=torch.float64)
+        backend.reduce_async(total, 1).wait()
+        assert backend.reserve(torch.empty(1)) == 8 and (rank == 0 or torch.equal(total, torch.full((9,), 3.0)))
+        return True
+    finally:
+        backend.close()
+
+
+@pytest.mark.slow
+def test_tensors_go_point_to_point_in_chunks_whatever_order_each_side_posts_in() -> None:
+    assert run_in_gloo(_point_to_point, 2) == [True, True]
+
+
 class _Recorded:
     """A work whose ``wait()`` is logged."""
 

@@ -346,6 +346,17 @@ def test_simulated_update_broadcasts_match_hand_computation() -> None:
     assert upd["InverseComm"] == pytest.approx(0.32) and upd["total"] == pytest.approx(11.27)
     fused = simulation.simulate(layers, slow, 2, _stages("after_backward", "layer", broadcast="fused_update"))
     assert fused == pytest.approx(expect | {"InverseComm": 0.28, "Other": 0.2, "total": 11.23})
+    # Rank 1 preconditioning l1 for 1.15 s ends at 10.9 s: its update (10.9..11.01 s) still travels when rank 0
+    # posts l2's at 10.95 s, which follows on the shared link (11.01..11.18 s). Sent point to point (gloo,
+    # P = 2) each goes one way, into the other rank: l2's ends at 11.12 s. Beyond two ranks: broadcasts.
+    layers["layers"][0]["t_precondition"] = 1.15
+    stages = _stages("after_backward", "layer", broadcast="update")
+    shared = simulation.simulate(layers, prof, 2, stages)
+    assert shared == pytest.approx(expect | {"InverseComm": 0.23, "Other": 0.2, "total": 11.18})
+    direct = simulation.simulate(layers, prof, 2, stages, direct=True)
+    assert direct == pytest.approx(shared | {"InverseComm": 0.17, "total": 11.12})
+    assert simulation.simulate(layers, prof, 3, stages, direct=True) == simulation.simulate(layers, prof, 3, stages)
+    layers["layers"][0]["t_precondition"] = 0.1
     # Its bound shares the 0.3 s of preconditioning too; the others' bound does not.
     assert simulation.lower_bound(layers, prof, 2) == pytest.approx(4.0 + 2.0 + 3.5 + 0.3)
     assert simulation.lower_bound(layers, prof, 2, shared_precondition=True) == pytest.approx(4.0 + 2.0 + 3.5 + 0.15)

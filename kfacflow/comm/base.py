@@ -65,7 +65,8 @@ class Backend(ABC):
     direct: bool = False
     """Whether :meth:`reduce_to_owners_async` sends each piece straight to its owner, point to point: each rank
     sends what it does not own and each owner receives P - 1 copies of its piece (half an all-reduce's
-    traffic at P = 2, where a reduce-scatter and an all-to-all move no less; gloo)."""
+    traffic at P = 2, where a reduce-scatter and an all-to-all move no less; gloo), and whether :meth:`send_async`
+    and :meth:`recv_async` move tensors point to point (with the tags of :meth:`reserve`)."""
     last_grad_launch: Any = 0.0
     """When the last gradient all-reduce of this step was launched: a :attr:`clock` reading."""
     clock: Callable[[], Any] = staticmethod(time.perf_counter)
@@ -105,6 +106,18 @@ class Backend(ABC):
         start = sum(counts[: self.rank])
         flat[start : start + counts[self.rank]].copy_(piece)
         return Piece(self.allreduce_async(flat), flat)
+
+    def reserve(self, tensor: Tensor) -> int:
+        """The tags of one point-to-point transfer of ``tensor``, reserved on every rank in turn (:attr:`direct`)."""
+        raise NotImplementedError(f"{type(self).__name__} sends nothing point to point")
+
+    def send_async(self, tensor: Tensor, dst: int, tag: int) -> Handle:
+        """Send ``tensor`` to rank ``dst`` with the tags :meth:`reserve` gave (K-FAC group; :attr:`direct`)."""
+        raise NotImplementedError(f"{type(self).__name__} sends nothing point to point")
+
+    def recv_async(self, tensor: Tensor, src: int, tag: int) -> Handle:
+        """Receive into ``tensor`` what rank ``src`` sent with ``tag`` (K-FAC group; :attr:`direct`)."""
+        raise NotImplementedError(f"{type(self).__name__} sends nothing point to point")
 
     @abstractmethod
     def wrap_model(self, model: nn.Module) -> nn.Module:

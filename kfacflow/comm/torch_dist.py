@@ -94,30 +94,33 @@ class SumOnWait:
     Gloo's point-to-point work has no future, so a trace can only see when it was waited for.
     """
 
-    def __init__(self, tensor: Tensor, works: list[Any], parts: list[Tensor]) -> None:
-        self.tensor, self.works, self.parts = tensor, works, parts
+    def __init__(self, tensor: Tensor, moves: list[Handle], parts: list[Tensor]) -> None:
+        self.tensor, self.moves, self.parts = tensor, moves, parts
 
     def wait(self) -> None:
         """Block until every chunk has moved; then sum (once)."""
-        for work in self.works:
-            work.wait()
+        for move in self.moves:
+            move.wait()
         for part in self.parts:
             self.tensor.add_(part)
-        self.works, self.parts = [], []
+        self.moves, self.parts = [], []
 
 
-class Owned:
-    """Every owner's reduction of a buffer; :meth:`wait` returns this rank's piece of the sum."""
+class Moved:
+    """Transfers that end in one tensor: chunks sent or received point to point, or every owner's reduction.
 
-    def __init__(self, mine: Tensor, handles: list[Handle]) -> None:
-        self.mine, self.handles = mine, handles
+    :meth:`wait` returns the tensor (the received one, or this rank's piece of the sum) once all have moved.
+    """
+
+    def __init__(self, tensor: Tensor, works: list[Any]) -> None:
+        self.tensor, self.works = tensor, works
 
     def wait(self) -> Tensor:
-        """Block until every piece has moved (and this rank's is summed); return this rank's."""
-        for handle in self.handles:
-            handle.wait()
-        self.handles = []
-        return self.mine
+        """Block until every transfer is done."""
+        for work in self.works:
+            work.wait()
+        self.works = []
+        return self.tensor
 
 
 class TorchBackend(Backend):
@@ -204,21 +207,38 @@ class TorchBackend(Backend):
             assert work is not None
             return work
         flat = tensor.view(-1)
-        chunks = list(flat.split(max(1, P2P_CHUNK_BYTES // flat.element_size())))
-        works: list[Any] = []
-        parts: list[Tensor] = []
-        tag = self._tag  # the same on every rank: every rank posts the same reductions in the same order
-        self._tag += len(chunks)
+        tag = self.reserve(flat)
         if self.rank != dst:
-            works = [dist.isend(c, dst, group=self._group, tag=tag + i) for i, c in enumerate(chunks)]
-        else:
-            for src in range(self.world_size):
-                if src != dst:
-                    part = torch.empty_like(flat)
-                    parts.append(part)
-                    for i, c in enumerate(part.split(chunks[0].numel())):
-                        works.append(dist.irecv(c, src, group=self._group, tag=tag + i))
-        return SumOnWait(flat, works, parts)
+            return SumOnWait(flat, [self.send_async(flat, dst, tag)], [])
+        parts = {src: torch.empty_like(flat) for src in range(self.world_size) if src != dst}
+        return SumOnWait(flat, [self.recv_async(part, src, tag) for src, part in parts.items()], list(parts.values()))
+
+    def reserve(self, tensor: Tensor) -> int:
+        """The first of the tags one point-to-point transfer of ``tensor`` takes (one a chunk).
+
+        Every rank reserves them in the same order (each transfer is known to every rank, as a collective is),
+        so sender and receiver agree on the tags however late either posts its side.
+        """
+        tag = self._tag
+        self._tag += max(1, -(-tensor.numel() // self._chunk(tensor)))  # an empty tensor is one empty chunk
+        return tag
+
+    def send_async(self, tensor: Tensor, dst: int, tag: int) -> Handle:
+        """Send ``tensor`` to ``dst`` in chunks, with the tags :meth:`reserve` gave; returns at once."""
+        flat = tensor.view(-1)
+        chunks = flat.split(self._chunk(flat))
+        return Moved(tensor, [dist.isend(c, dst, group=self._group, tag=tag + i) for i, c in enumerate(chunks)])
+
+    def recv_async(self, tensor: Tensor, src: int, tag: int) -> Handle:
+        """Receive ``tensor`` from ``src`` in place, as :meth:`send_async` sent it; returns at once."""
+        flat = tensor.view(-1)
+        chunks = flat.split(self._chunk(flat))
+        return Moved(tensor, [dist.irecv(c, src, group=self._group, tag=tag + i) for i, c in enumerate(chunks)])
+
+    @staticmethod
+    def _chunk(tensor: Tensor) -> int:
+        """Elements of one chunk of a point-to-point transfer."""
+        return max(1, P2P_CHUNK_BYTES // tensor.element_size())
 
     def reduce_to_owners_async(self, flat: Tensor, counts: Sequence[int]) -> Handle:
         """Sum ``flat`` over the K-FAC group, each rank receiving its piece; returns at once on NCCL.
@@ -233,7 +253,7 @@ class TorchBackend(Backend):
         if self._engine == "gloo":
             pieces = flat.split(list(counts))
             sends = [self.reduce_async(piece, r) for r, piece in enumerate(pieces) if piece.numel()]
-            return Owned(pieces[self.rank], sends)
+            return Moved(pieces[self.rank], sends)
         return scatter.reduce_to_owners(flat, counts, self.rank, self._group, self.in_order)
 
     def gather_async(self, piece: Tensor, counts: Sequence[int]) -> Handle:

@@ -204,19 +204,28 @@ def link(dims: Sequence[int], sizes: Sequence[int], world_size: int, profile: Pr
     return owners
 
 
-def layer(dims: Sequence[int], sizes: Sequence[int], world_size: int, profile: Profile | None) -> list[int]:
+def layer(
+    dims: Sequence[int],
+    sizes: Sequence[int],
+    world_size: int,
+    profile: Profile | None,
+    work: Sequence[float] | None = None,
+) -> list[int]:
     """Whole layers to owners, for ``kfac.broadcast=update`` (the owner preconditions and sends the update).
 
     Layers are taken costliest first (both inversions and the preconditioning, estimated). A layer
-    that costs less than broadcasting its update is an NCT: every rank inverts and preconditions
-    it. Otherwise the least-loaded rank owns both of its factors; its load grows by the work and
-    the broadcast, as in Algorithm 1, applied to layers.
+    that costs less than broadcasting its update is an NCT: every rank inverts and preconditions it.
+    Otherwise the least-loaded rank owns both of its factors; its load grows by the work and the
+    broadcast, as in Algorithm 1, applied to layers. Given each layer's work a step (between
+    inversions), the updates travel while the owners compute instead (:func:`_overlapped`).
 
     Args:
         dims: Sides of the factors, A1, G1, A2, G2, ... (a layer's two factors are adjacent).
         sizes: Elements the layer's update sends (given for each of its two factors).
         world_size: Number of ranks.
         profile: Fitted performance models.
+        work: Each layer's seconds a step on its owner (:func:`~kfacflow.kfac.update_plan.layer_work`:
+            preconditioning from its rows where it goes by them, inversions at the recipe's interval).
 
     Raises:
         UserError: Without performance models to estimate the times.
@@ -225,18 +234,50 @@ def layer(dims: Sequence[int], sizes: Sequence[int], world_size: int, profile: P
         raise UserError("kfac.placement=layer needs performance models: set kfac.profile or let the run calibrate.")
     if world_size == 1:
         return [EVERY_RANK] * len(dims)
-    layers = list(zip(dims[::2], dims[1::2], strict=True))  # (A side, G side)
-    work = [profile.inverse(a) + profile.inverse(g) + precondition_cost(a, g, profile) for a, g in layers]
     comms = [profile.broadcast(m) for m in sizes[::2]]
-    owners = _balance(sorted(range(len(work)), key=lambda j: (-work[j], j)), work, comms, world_size)
+    if work is None:
+        layers = list(zip(dims[::2], dims[1::2], strict=True))  # (A side, G side)
+        work = [profile.inverse(a) + profile.inverse(g) + precondition_cost(a, g, profile) for a, g in layers]
+        owners = _balance(sorted(range(len(work)), key=lambda j: (-work[j], j)), work, comms, world_size)
+    else:
+        owners = _overlapped(work, comms, world_size)
     return [owner for owner in owners for _ in (0, 1)]
+
+
+def _overlapped(work: Sequence[float], comms: Sequence[float], world_size: int) -> list[int]:
+    """Whole layers by their work a step, each owner's updates leaving while it computes the next.
+
+    A step's updates travel while the owners precondition, so owning a layer costs its owner the work
+    alone, and a layer done by every rank costs every rank its work: every layer is owned, costliest
+    first by the least-loaded rank, unless the link is what bounds the step. While the sends take
+    longer than the busiest rank's work (at P = 2 each owner's go their own way, point to point;
+    beyond, all of them share one link), the busiest owner's layer that sends the most for the least
+    work goes to every rank instead (no update sent).
+    """
+    owners = [EVERY_RANK] * len(work)
+    load = [0.0] * world_size
+    for j in sorted(range(len(work)), key=lambda j: (-work[j], j)):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owners[j] = rank
+        load[rank] += work[j]
+    while True:
+        sends = [sum(comms[j] for j in range(len(work)) if owners[j] == r) for r in range(world_size)]
+        busiest = max(range(world_size), key=lambda r: (sends[r], -r))
+        if (sends[busiest] if world_size == 2 else sum(sends)) <= max(load):
+            return owners
+        mine = [j for j in range(len(work)) if owners[j] == busiest]
+        j = max(mine, key=lambda j: (comms[j] / max(work[j], 1e-12), -j))
+        owners[j] = EVERY_RANK
+        load = [x + work[j] if r != busiest else x for r, x in enumerate(load)]
 
 
 @dataclass(frozen=True)
 class Rule:
     """A placement rule (who inverts each factor) with the shared inversion order, :func:`schedule`."""
 
-    owners: Callable[[Sequence[int], Sequence[int], int, Profile | None], list[int]]
+    owners: Callable[..., list[int]]
+    weighs_layers: bool = False
+    """Whether :attr:`owners` places whole layers by each one's work a step (its ``work`` argument)."""
 
     @property
     def name(self) -> str:
@@ -244,10 +285,17 @@ class Rule:
         return self.owners.__name__
 
     def __call__(
-        self, dims: Sequence[int], sizes: Sequence[int], world_size: int, profile: Profile | None
+        self,
+        dims: Sequence[int],
+        sizes: Sequence[int],
+        world_size: int,
+        profile: Profile | None,
+        work: Sequence[float] | None = None,
     ) -> list[int]:
-        """The rule's owners."""
-        return self.owners(dims, sizes, world_size, profile)
+        """The rule's owners (``work``: each layer's seconds a step, for a rule that weighs layers)."""
+        if work is None:
+            return self.owners(dims, sizes, world_size, profile)
+        return self.owners(dims, sizes, world_size, profile, work)
 
     def order(
         self,
@@ -277,7 +325,7 @@ PLACEMENTS.add(
 )
 PLACEMENTS.add(
     "layer",
-    Rule(layer),
+    Rule(layer, weighs_layers=True),
     "whole layers to the least-loaded rank (for kfac.broadcast=update); NCT where computing beats sending",
     needs_profile=True,
 )

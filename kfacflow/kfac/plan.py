@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from kfacflow import registry
 from kfacflow.comm import scatter
 from kfacflow.kfac.stages import EVERY_RANK, Inverse, Placement
-from kfacflow.kfac.update_plan import by_layer, gathers, layer_order, update_buckets
+from kfacflow.kfac.update_plan import by_layer, gathers, layer_order, layer_work, update_buckets
 from kfacflow.perf import Profile
 
 if TYPE_CHECKING:
@@ -31,7 +31,8 @@ class EngineCaps:
     ``reduces``: a reduction to one rank (Horovod has none; nor has gloo with CUDA tensors).
     ``scatters``: a reduction to several owners at once, each receiving its own piece (NCCL's pays).
     ``gathers``: every owner's piece to every rank at once.
-    ``direct``: a reduction to several owners sent straight to each, point to point (gloo's pays from P = 2).
+    ``direct``: a reduction to several owners sent straight to each, point to point (gloo's pays from P = 2);
+    tensors sent and received point to point.
     """
 
     reduces: bool = True
@@ -43,6 +44,18 @@ class EngineCaps:
     def sends_direct(self) -> bool:
         """Whether a reduction to owners goes straight to each owner (``direct``, where no reduce-scatter pays)."""
         return self.reduces and self.direct and not self.scatters
+
+    def sends_updates_direct(self, world: int) -> bool:
+        """Whether owners send their layers' updates point to point (``kfac.broadcast=update``; gloo, P = 2).
+
+        Gloo runs a broadcast on one of a few worker threads, and a rank that has posted the receive of an
+        update its owner has yet to compute holds a thread meanwhile: the updates of two owners then
+        crossed the link one at a time (ResNet-50 at 32 px on 2 nodes at 1 Gbit/s: 0.9 s for 102 MB).
+        Point to point, every receive is posted at once and each owner's sends go out as it computes them,
+        both directions at once. Beyond two ranks an owner would send P - 1 copies on its own link: not measured,
+        so broadcasts stay there.
+        """
+        return self.reduces and self.direct and world == 2
 
     @classmethod
     def of(cls, backend: object) -> EngineCaps:
@@ -141,6 +154,8 @@ def make_plan(
     caps: EngineCaps,
     settled: bool = True,
     ready: Sequence[float] | None = None,
+    rows: Sequence[int] | None = None,
+    inverse_every: int = 1,
 ) -> StepPlan:
     """Plan a step.
 
@@ -154,19 +169,31 @@ def make_plan(
             gradients go to their owners only then, since a layer dropped at the end of the first
             step changes the placement while its factors are on their way.
         ready: When each factor is expected to arrive (``choice.on_arrival``; ``None``: all at once).
+        rows: Rows a step of each layer that is preconditioned from them (0: from its gradient), over every
+            rank (``kfac.precondition=rows``).
+        inverse_every: Steps between inversions (``kfac.inv_update_freq``). Where updates travel and it is
+            over 1, whole layers are placed by their work a step (:func:`~kfacflow.kfac.update_plan.layer_work`:
+            preconditioning, from rows where a layer goes by them, and a share of the inversions).
     """
     dims = [d for a, g, _ in layers for d in (a, g)]
     if choice.update:  # what travels is the layer's update, once for both of its factors
         sizes = [a * g for a, g, _ in layers for _ in (0, 1)]
     else:
         sizes = [choice.result.full_elements(d) if choice.full else choice.result.elements(d) for d in dims]
-    owners = choice.placement(dims, sizes, world, profile)
+    cost: list[float] | None = None
+    work: list[float] | None = None
+    if choice.update and profile is not None and inverse_every > 1:  # at 1/1 Algorithm 1 (inversions, then sends)
+        cost, work = layer_work(dims, profile, rows, inverse_every)
+    if work is not None and getattr(choice.placement, "weighs_layers", False):
+        owners = choice.placement(dims, sizes, world, profile, work)  # type: ignore[call-arg]
+    else:
+        owners = choice.placement(dims, sizes, world, profile)
     order: list[int] = []
     buckets: list[tuple[int, ...]] = []
     gathered: list[int] = []
     if choice.update:
         owners = by_layer(dims, owners)
-        order = layer_order(dims, owners, world, profile)
+        order = layer_order(dims, owners, world, profile, cost)
         if choice.fused:
             for bucket in update_buckets(order, sizes[::2], owners[::2], profile, world, caps.gathers):
                 if len(bucket) > 1:

@@ -185,17 +185,34 @@ class Preconditioner:
         layout = [(layer.a_dim, layer.g_dim, sum(p.numel() for p in layer.params)) for layer in self.layers]
         times = [ready.get(slot.key, 0.0) for slot in self.slots] if ready is not None else None
         world, caps, choice = self.backend.world_size, EngineCaps.of(self.backend), choice_of(self.stages)
-        self.plan = make_plan(layout, choice, world, self.profile, caps, settled, times)
+        rows = [self.rows.planned.get(layer.name, 0) * world for layer in self.layers] if self.rows.planned else None
+        every = self.cfg.inv_update_freq
+        self.plan = make_plan(layout, choice, world, self.profile, caps, settled, times, rows, every)
         placed = place(self.plan, self.layers, self.slots, self.backend, self.profile)
         self._order, self.layer_order, self.grad_owned = placed.order, placed.layer_order, placed.grad_owned
         self.schedule.plan(self.keys, self.plan.dims, self.plan.owners, world)
         self.update_buckets, self.gathered = placed.update_buckets, placed.gathered
         self.comm.routing, self.held = placed.routing, placed.held
         self._keep_held()
+        self._invert_given()
 
     def _keep_held(self) -> None:
         if self.held is not None:  # another rank keeps the rest
             self.running = {key: avg for key, avg in self.running.items() if key in self.held}
+
+    def _invert_given(self) -> None:
+        """Invert the factors a plan made again gives this rank to invert, where it has their average but no inverse.
+
+        The first step's plan is made again once the layers in use and those that go by rows are known
+        (their rows weigh whole layers: :func:`~kfacflow.kfac.update_plan.layer_work`), after that step
+        inverted by the first plan; every factor of it was averaged on every rank, so each rank can invert
+        what it now owns. Before anything was inverted there is nothing to catch up.
+        """
+        if not self.inverses:
+            return
+        rank = self.backend.rank
+        given = [s for s in self.slots if s.owner in (EVERY_RANK, rank) and s.key not in self.inverses]
+        self.invert([s for s in given if s.key in self.running])
 
     @property
     def order(self) -> list[FactorSlot]:
@@ -383,6 +400,16 @@ class Preconditioner:
             inverses = invert_all(self.stages.invert, factors, self.cfg.damping)
         self.inverses.update({slot.key: inverse for slot, inverse in zip(mine, inverses, strict=True)})
 
+    def _owned_elsewhere(self) -> set[str]:
+        """The layers whose averaged gradient this rank never reads: another rank's, where gradients go to owners.
+
+        Their owner preconditions them and sends the update and its ``v.g``; the other ranks' copies of
+        such a layer's gradient are left as the backward pass made them (:class:`~kfacflow.kfac.grad_sync.ToOwners`).
+        """
+        if not self.grad_owned:
+            return set()
+        return {slot.layer.name for slot in self.slots if slot.owner not in (EVERY_RANK, self.backend.rank)}
+
     def precondition_layer(self, layer: KFACLayer, grad: Tensor) -> Tensor:
         """Return one layer's update from its gradient matrix and its two inverses (timed per layer)."""
         t0 = self.timer.now()
@@ -398,7 +425,7 @@ class Preconditioner:
         if gradients is not None:
             with self.timer.span("GradComm"):
                 gradients.wait()
-            self.rows.rebuild(gradients)
+            self.rows.rebuild(gradients, self._owned_elsewhere())
         live = [(layer, g) for layer in self.layers if (g := layer.grad_matrix()) is not None]
         updates, contributions = self.stages.broadcast.precondition(self, live, sent, self.stages.pipeline.early)
         final = self.stages.precondition.finish([updates[layer.name] for layer, _ in live], contributions, lr)

@@ -31,7 +31,7 @@ a ResNet-18 at 32 px these are ``layer4``'s five layers: three quarters of its p
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -225,9 +225,10 @@ class RowCapture:
         )
         return self.arrived[name]
 
-    def rebuild(self, gradients: Gradients) -> None:
+    def rebuild(self, gradients: Gradients, elsewhere: Collection[str] = ()) -> None:
         """Write the averaged gradient of every layer :meth:`leave` left out, from every rank's rows.
 
+        But for the layers ``elsewhere`` (another rank preconditions them and alone reads their average).
         One read of the device for all of them. A layer some rank's flags fail (its rows cut off or
         not its gradient) has its gradient averaged by ``gradients`` instead, by every rank in the
         same order (every rank reads the same flags), and goes by its gradient this step.
@@ -240,7 +241,8 @@ class RowCapture:
         with torch.no_grad():
             for layer, r, ok in zip(self.left, rows, good, strict=True):
                 if ok:  # every rank had a gradient and vouched for its rows
-                    layer.set_grad((r.delta.T @ r.a).div_(r.world))
+                    if layer.name not in elsewhere:
+                        layer.set_grad((r.delta.T @ r.a).div_(r.world))
                     self.arrived[layer.name] = LayerRows(r.name, r.delta, r.a, r.world, r.eps, True, rebuilt=True)
                     continue
                 failed.append(layer)

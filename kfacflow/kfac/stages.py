@@ -214,7 +214,12 @@ class Placement(Protocol):
     def __call__(
         self, dims: Sequence[int], sizes: Sequence[int], world_size: int, profile: Profile | None
     ) -> list[int]:
-        """Return the owner of each factor, given their sides and broadcast sizes."""
+        """Return the owner of each factor, given their sides and broadcast sizes.
+
+        A placement with ``weighs_layers = True`` is also given, between inversions where updates
+        travel, each layer's seconds a step on its owner (a fifth argument, ``work``:
+        :func:`~kfacflow.kfac.update_plan.layer_work`).
+        """
         ...
 
     def order(

@@ -21,7 +21,7 @@ from kfacflow.comm import scatter
 from kfacflow.comm.base import Handle, Piece
 from kfacflow.kfac.inverse_broadcast import Updates
 from kfacflow.kfac.owners import every_inverse
-from kfacflow.kfac.plan import Choice
+from kfacflow.kfac.plan import Choice, EngineCaps
 from kfacflow.kfac.routes import batches
 from kfacflow.kfac.stages import EVERY_RANK, FactorSlot, Inverse
 from kfacflow.kfac.strategies import OWNERS_PRECONDITION, OWNERS_READ_FACTORS, Broadcast, Pipeline, Sent, Step
@@ -86,6 +86,12 @@ class UpdateBroadcast(Broadcast):
         updates: dict[str, Tensor] = {}
         mine: dict[str, Tensor] = {}
         posted: list[tuple[list[str], Handle]] = []
+        alone = [
+            layer.name
+            for layer in pre.layer_order
+            if layer.name in grads and owner[layer.name] != EVERY_RANK and layer.name not in bucketed
+        ]
+        tags = self._receive(pre, alone, grads, owner, updates, posted)
         with torch.no_grad():
             for layer in pre.layer_order:
                 grad, src = grads.get(layer.name), owner[layer.name]
@@ -95,7 +101,12 @@ class UpdateBroadcast(Broadcast):
                         mine[layer.name] = stage.contribution(updates[layer.name], grad)
                 if layer.name in pre.update_buckets:
                     posted += self._post_bucket(pre, layer.name, grads, updates, owner)
-                elif grad is not None and src != EVERY_RANK and layer.name not in bucketed:
+                elif layer.name in tags and src == rank:
+                    with pre.timer.span("InverseComm"):
+                        for dst in range(pre.backend.world_size):
+                            if dst != rank:
+                                posted.append(([], pre.backend.send_async(updates[layer.name], dst, tags[layer.name])))
+                elif grad is not None and layer.name in alone and not tags:
                     if src != rank:
                         updates[layer.name] = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
                     with pre.timer.span("InverseComm"):
@@ -122,6 +133,35 @@ class UpdateBroadcast(Broadcast):
                 return updates, []
             received = dict(zip(sent_layers, dots.wait(), strict=True)) if dots is not None else {}
         return updates, [received[n] if n in received else stage.contribution(updates[n], g) for n, g in grads.items()]
+
+    def _receive(
+        self,
+        pre: Step,
+        alone: list[str],
+        grads: dict[str, Tensor],
+        owner: dict[str, int],
+        updates: dict[str, Tensor],
+        posted: list[tuple[list[str], Handle]],
+    ) -> dict[str, int]:
+        """Where owners send their updates point to point, post every receive now; return each layer's tags.
+
+        Each layer sent alone gets its tags here, in the shared order, on every rank: its owner sends
+        with them once it has the update, while every receive waits from the start, so each owner's
+        updates leave as it computes them (:meth:`~kfacflow.kfac.plan.EngineCaps.sends_updates_direct`).
+        Elsewhere nothing is posted and no tag taken: the updates are broadcast in the walk.
+        """
+        backend = pre.backend
+        if not EngineCaps.of(backend).sends_updates_direct(backend.world_size):
+            return {}
+        tags: dict[str, int] = {}
+        with pre.timer.span("InverseComm"):
+            for name in alone:
+                grad = grads[name]
+                tags[name] = backend.reserve(grad)
+                if owner[name] != backend.rank:
+                    updates[name] = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+                    posted.append(([], backend.recv_async(updates[name], owner[name], tags[name])))
+        return tags
 
     def _post_bucket(
         self,
@@ -192,7 +232,7 @@ class UpdateBroadcast(Broadcast):
                     rank.t += cost[r.rows[j]["name"]]
             if owner != EVERY_RANK:
                 done[j] = ranks[owner].t
-        sends: list[tuple[float, float]] = []  # each bucket at its last layer, others alone, as precondition posts
+        sends: list[tuple[float, float, int | None]] = []  # each bucket at its last layer, others alone, as posted
         bucket_of = {b[-1]: n for n, b in enumerate(plan.buckets)}
         bucketed = {j for b in plan.buckets for j in b}
         for j in done:
@@ -202,12 +242,13 @@ class UpdateBroadcast(Broadcast):
                     seconds = scatter.cost(r.prof.broadcast, counts(b, sizes[::2], owners[::2], r.workers))
                 else:
                     seconds = r.prof.allreduce(sum(sizes[2 * i] for i in b))
-                sends.append((max(done[i] for i in b), seconds))
-            elif j not in bucketed:
-                sends.append((done[j], r.prof.broadcast(sizes[2 * j])))
+                sends.append((max(done[i] for i in b), seconds, None))
+            elif j not in bucketed:  # point to point (P = 2): the one direction into the other rank
+                into = 1 - owners[2 * j] if r.updates_direct else None
+                sends.append((done[j], r.prof.broadcast(sizes[2 * j]), into))
         if r.routed and sends:  # each owned layer's v.g (float64: two elements), after the updates
-            sends.append((max(t for t, _ in sends), r.prof.allreduce(2 * len(done))))
-        ends = [r.link.send(t, seconds) if r.workers > 1 else t for t, seconds in sends]
+            sends.append((max(t for t, _, _ in sends), r.prof.allreduce(2 * len(done)), None))
+        ends = [r.link.send(t, seconds, into) if r.workers > 1 else t for t, seconds, into in sends]
         for rank in ranks:
             rank.wait(max(ends, default=0.0), "InverseComm")
         return r.breakdown(max(ranks, key=lambda rank: rank.t))

@@ -15,16 +15,44 @@ from kfacflow.kfac.stages import EVERY_RANK
 from kfacflow.perf import Profile
 
 
-def precondition_cost(a_dim: int, g_dim: int, profile: Profile | None) -> float:
+def precondition_cost(a_dim: int, g_dim: int, profile: Profile | None, rows: int = 0, dense: bool = False) -> float:
     """Estimated seconds to precondition one layer: about an inversion of the same number of flops.
 
     Applying both inverses multiplies a ``g x a`` gradient by a ``g x g`` and an ``a x a`` matrix
     (or solves with their Cholesky factors): ``a g (a + g)`` multiply-adds, as many as inverting a
-    factor of side ``(a g (a + g))^(1/3)``. Rough (within about 2x of traced times), which is
-    enough to balance whole layers.
+    factor of side ``(a g (a + g))^(1/3)``; from ``rows`` rows a step (``kfac.precondition=rows``,
+    over every rank) ``N (a^2 + g^2 + g a)``. ``dense``: timed by the model of a dense inverse
+    (``kfac.inverse=cholesky``, ``d^3`` multiply-adds as a product of that side does) rather than the
+    recipe's method's (``cholesky_factor``'s is a third of it: traced preconditioning follows the dense
+    one). Rough (within about 2x of traced times), which is enough to balance whole layers.
     """
-    side = (a_dim * g_dim * (a_dim + g_dim)) ** (1 / 3)
-    return profile.inverse(side) if profile is not None else side**3
+    work = rows * (a_dim * a_dim + g_dim * g_dim + g_dim * a_dim) if rows else a_dim * g_dim * (a_dim + g_dim)
+    side = work ** (1 / 3)
+    if profile is None:
+        return side**3
+    return (profile.methods.get("cholesky", profile.inverse) if dense else profile.inverse)(side)
+
+
+def layer_work(
+    dims: Sequence[int], profile: Profile, rows: Sequence[int] | None, inverse_every: int
+) -> tuple[list[float], list[float]]:
+    """Each layer's preconditioning seconds, and its seconds a step on its owner: that and a share of its inversions.
+
+    Between inversions (``kfac.inv_update_freq`` > 1) a layer is preconditioned every step and its
+    two factors inverted once in ``inverse_every`` steps, so a placement that weighs a step's work
+    counts an inversion at ``1 / inverse_every`` of its time: at 10/100 preconditioning is what to
+    share out, and a layer that goes by its rows weighs what its rows cost.
+
+    Args:
+        dims: Sides of the factors, A1, G1, A2, G2, ...
+        profile: Fitted performance models.
+        rows: Rows a step of each layer that goes by rows (0: by its gradient; ``None``: none does).
+        inverse_every: Steps between inversions.
+    """
+    n = len(dims) // 2
+    pre = [precondition_cost(dims[2 * j], dims[2 * j + 1], profile, rows[j] if rows else 0, True) for j in range(n)]
+    inverts = [(profile.inverse(dims[2 * j]) + profile.inverse(dims[2 * j + 1])) / inverse_every for j in range(n)]
+    return pre, [p + i for p, i in zip(pre, inverts, strict=True)]
 
 
 def by_layer(dims: Sequence[int], owners: Sequence[int]) -> list[int]:
@@ -42,16 +70,24 @@ def by_layer(dims: Sequence[int], owners: Sequence[int]) -> list[int]:
     return paired
 
 
-def layer_order(dims: Sequence[int], owners: Sequence[int], world_size: int, profile: Profile | None) -> list[int]:
+def layer_order(
+    dims: Sequence[int],
+    owners: Sequence[int],
+    world_size: int,
+    profile: Profile | None,
+    cost: Sequence[float] | None = None,
+) -> list[int]:
     """Return the order in which every rank preconditions and broadcasts layers (``kfac.broadcast=update``).
 
     Each owner takes its own layers costliest first (the last update it sends is then a short
     one); the owners' layers are interleaved by their estimated finish, so every rank posts the
     broadcasts in the order they are expected to be ready; layers every rank preconditions come
-    last, while the updates travel.
+    last, while the updates travel. ``cost``: each layer's preconditioning seconds (default:
+    :func:`precondition_cost` from its gradient).
     """
     n = len(dims) // 2
-    cost = [precondition_cost(dims[2 * j], dims[2 * j + 1], profile) for j in range(n)]
+    if cost is None:
+        cost = [precondition_cost(dims[2 * j], dims[2 * j + 1], profile) for j in range(n)]
     busy = [0.0] * world_size
     finish: dict[int, float] = {}
     for j in sorted((j for j in range(n) if owners[2 * j] != EVERY_RANK), key=lambda j: (-cost[j], j)):
