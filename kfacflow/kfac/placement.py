@@ -260,14 +260,15 @@ def _overlapped(work: Sequence[float], comms: Sequence[float], world_size: int) 
         rank = min(range(world_size), key=lambda r: (load[r], r))
         owners[j] = rank
         load[rank] += work[j]
+    sends = [sum(comms[j] for j in range(len(work)) if owners[j] == r) for r in range(world_size)]
     while True:
-        sends = [sum(comms[j] for j in range(len(work)) if owners[j] == r) for r in range(world_size)]
         busiest = max(range(world_size), key=lambda r: (sends[r], -r))
         if (sends[busiest] if world_size == 2 else sum(sends)) <= max(load):
             return owners
         mine = [j for j in range(len(work)) if owners[j] == busiest]
         j = max(mine, key=lambda j: (comms[j] / max(work[j], 1e-12), -j))
         owners[j] = EVERY_RANK
+        sends[busiest] -= comms[j]
         load = [x + work[j] if r != busiest else x for r, x in enumerate(load)]
 
 
