@@ -156,12 +156,12 @@ def test_a_steps_work_counts_rows_and_a_share_of_the_inversions() -> None:
 
 
 def test_the_plan_places_layers_by_a_steps_work_only_between_inversions() -> None:
+    from kfacflow.kfac.inverse import DenseInverse
     from kfacflow.kfac.plan import Choice, EngineCaps, make_plan
-    from kfacflow.kfac.stages import Inverse
     from kfacflow.registry import PLACEMENTS
 
     layers = [(10, 7, 70), (8, 9, 72), (2, 2, 4), (3, 3, 9)]
-    choice = Choice(PLACEMENTS.get("layer"), Inverse, update=True)
+    choice = Choice(PLACEMENTS.get("layer"), DenseInverse, update=True)
 
     def owners(**kwargs: object) -> list[int]:
         return list(make_plan(layers, choice, 2, profile(0.0), EngineCaps(), **kwargs).owners[::2])  # type: ignore[arg-type]
