@@ -141,15 +141,18 @@ class Replay:
 def precondition_costs(rows: list[dict[str, Any]], measured: dict[str, float]) -> tuple[dict[str, float], float]:
     """Seconds to precondition each layer, and the rest of the traced step's ``Other``.
 
-    A layer the traced rank did not precondition (another rank owned it) gets the traced seconds
-    per multiply-add, ``a g (a + g)``, of those it did; what the traced rank did precondition is
-    taken out of ``Other``, and the remainder is the step's other work.
+    A layer the traced rank did not precondition (another rank owned it) takes the seconds its owner
+    took where the trace has them (``t_precondition_elsewhere``), else the traced seconds per
+    multiply-add, ``a g (a + g)``, of those the traced rank did (a layer preconditioned from its rows
+    costs far less than that). What the traced rank did precondition is taken out of ``Other``, and
+    the remainder is the step's other work.
     """
     flops = {r["name"]: r["a_dim"] * r["g_dim"] * (r["a_dim"] + r["g_dim"]) for r in rows}
     traced = {r["name"]: r["t_precondition"] for r in rows if r.get("t_precondition") is not None}
+    owners = {r["name"]: r["t_precondition_elsewhere"] for r in rows if r.get("t_precondition_elsewhere") is not None}
     rate = sum(traced.values()) / (sum(flops[n] for n in traced) or 1)
     rest = max(0.0, measured.get("Other", 0.0) - sum(traced.values()))
-    return {n: traced.get(n, rate * f) for n, f in flops.items()}, rest
+    return {n: traced.get(n, owners.get(n, rate * f)) for n, f in flops.items()}, rest
 
 
 def per_element(rows: list[dict[str, Any]], sizes: list[int], field: str) -> list[float]:

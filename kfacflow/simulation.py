@@ -346,6 +346,7 @@ def lower_bound(
     method: str | None = None,
     shared_precondition: bool = False,
     intervals: tuple[int, int] = (1, 1),
+    between: dict[str, Any] | None = None,
 ) -> float:
     """All communication hidden; inverses perfectly balanced over the workers and free to share.
 
@@ -353,19 +354,32 @@ def lower_bound(
     ``shared_precondition``: the preconditioning is shared out too (``kfac.broadcast=update``),
     perfectly balanced; otherwise every rank preconditions every layer.
     ``intervals``: factors every F steps and inverses every I, the mean over a period (as :func:`period`).
+    ``between``: a traced step that updates factors without inverting, whose work the period's other
+    steps take (the steps without factors: its work less its factors'); by default ``layers``' own.
+    Where factors are exchanged only where inverted, an inverting step multiplies out the rows held
+    since the last one (:mod:`kfacflow.kfac.exchange`): its factor work is not the other steps'.
     """
     if method is not None:
         if use_measured:
             layers = with_method(layers, profile, method)
         profile = profile.for_method(method)
-    measured = layers["breakdown"]
-    hooks, ffbp = measured_compute(layers)
-    factor_comp = max(measured.get("FactorComp", hooks), hooks)
-    inverses = sum(inverse_costs(layers["layers"], profile, use_measured))
-    cost, rest = precondition_costs(layers["layers"], measured)
-    precondition = sum(cost.values()) / (workers if shared_precondition else 1)
+
+    def work(traced: dict[str, Any]) -> tuple[float, float]:
+        """A traced step's work without its factors, and its factors' (seconds)."""
+        measured = traced["breakdown"]
+        hooks, ffbp = measured_compute(traced)
+        cost, rest = precondition_costs(traced["layers"], measured)
+        precondition = sum(cost.values()) / (workers if shared_precondition else 1)
+        return ffbp + precondition + rest, max(measured.get("FactorComp", hooks), hooks)
+
     every_f, every_i = intervals
-    return ffbp + factor_comp / every_f + inverses / workers / every_i + precondition + rest
+    inverses = sum(inverse_costs(layers["layers"], profile, use_measured)) / workers
+    base, factor_comp = work(layers)
+    if between is None:
+        return base + factor_comp / every_f + inverses / every_i
+    other, other_factors = work(between)
+    updates = every_i // every_f  # factor updates per period, the first of them inverting
+    return (base + factor_comp + inverses + (every_i - 1) * other + (updates - 1) * other_factors) / every_i
 
 
 def with_method(layers: dict[str, Any], profile: Profile, method: str) -> dict[str, Any]:

@@ -98,6 +98,8 @@ def layer_profile(
     An inverse time is the one measured on whichever rank inverted that factor; ``t_pack`` (the
     owner packing a communicated inverse for its broadcast) and ``t_unpack`` (a rank unpacking
     the broadcast copy) are the slowest rank's, and absent for factors every rank inverted.
+    ``t_precondition`` is rank 0's; ``t_precondition_elsewhere`` the slowest other rank's, for a layer
+    rank 0 did not precondition (where owners precondition: ``kfac.broadcast=update``).
     ``method`` names the inverse method that was timed (the simulator rescales to another).
     """
 
@@ -109,9 +111,13 @@ def layer_profile(
     precondition = spans(mine, "precondition")
     inverse: dict[str, float] = {}
     pack: dict[str, float] = {}
-    for events in events_by_rank:
+    elsewhere: dict[str, float] = {}  # preconditioned by another rank (its owner): rank 0's Other holds none of it
+    for rank, events in enumerate(events_by_rank):
         for key, seconds in spans(events, "inverse").items():
             inverse[key] = max(inverse.get(key, 0.0), seconds)
+        if rank:
+            for key, seconds in spans(events, "precondition").items():
+                elsewhere[key] = max(elsewhere.get(key, 0.0), seconds)
         for lane in ("pack", "unpack"):  # unpacking is "<key> unpack"
             for key, seconds in spans(events, lane).items():
                 pack[key] = max(pack.get(key, 0.0), seconds)
@@ -137,6 +143,7 @@ def layer_profile(
                 "t_unpack_a": pack.get(f"{layer.name}/A unpack"),
                 "t_unpack_g": pack.get(f"{layer.name}/G unpack"),
                 "t_precondition": precondition.get(layer.name),
+                "t_precondition_elsewhere": None if layer.name in precondition else elsewhere.get(layer.name),
             }
         )
     return {

@@ -134,3 +134,25 @@ def test_the_timeline_picture_explains_itself(tmp_path: Path) -> None:
     rows = [t.get_text() for t in ax.get_yticklabels()]
     assert rows[:5] == ["rank 0 forward", "rank 0 allreduce", "rank 0 average", "rank 0 inverse", "rank 0 unpack"]
     assert (tmp_path / "timeline.png").is_file()
+
+
+def test_a_layer_profile_takes_each_layers_preconditioning_from_whichever_rank_did_it() -> None:
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from kfacflow.timeline import layer_profile
+
+    def ev(name: str, lane: str, t0: float, t1: float) -> dict[str, object]:
+        return {"name": name, "lane": lane, "t0": t0, "t1": t1}
+
+    layers = [SimpleNamespace(name=n, a_dim=3, g_dim=2, module=nn.Linear(2, 2)) for n in ("l1", "l2", "l3")]
+    ranks = [
+        [ev("forward", "compute", 0.0, 1.0), ev("l1", "forward", 0.0, 0.5), ev("l1", "precondition", 2.0, 2.1)],
+        # Rank 1 owns l2 (0.2 s) and l3; where every rank preconditions a layer, rank 0's time is kept.
+        [ev("l2", "precondition", 2.0, 2.2), ev("l1", "precondition", 2.2, 2.5), ev("l3", "precondition", 2.5, 2.8)],
+        [ev("l3", "precondition", 2.0, 2.4)],  # the slowest owner's, as for inverses
+    ]
+    rows = layer_profile(ranks, layers, {"Other": 0.5}, 3, 8)["layers"]
+    assert [r["t_precondition"] for r in rows] == pytest.approx([0.1, None, None])
+    assert [r["t_precondition_elsewhere"] for r in rows] == pytest.approx([None, 0.2, 0.4])

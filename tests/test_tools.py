@@ -197,6 +197,14 @@ def test_simulator_projects_a_recorded_run(traced_run: Path, tmp_path: Path) -> 
             bound = bounds[("cholesky_factor", True) if v == "flow" else ("cholesky", False)]
             assert mine[v]["total"] >= bound - 1e-12
             assert mine[v]["total"] == pytest.approx(sum(mine[v][p] for p in simulation.PARTS))
+    # The bound at the recipe's intervals from the traced step alone, or with the steps between traced apart
+    # (here the same trace: the same bound).
+    traced = [str(traced_run / "layers.json"), str(traced_run / "profile.yaml"), "--workers", "2", "--intervals", "1/4"]
+    periods = []
+    for extra in ([], ["--between", str(traced_run / "layers.json")]):
+        assert simulate.main([*traced, *extra, "--variants", "flow", "--json", str(out)]) == 0
+        periods.append(next(r["total"] for r in json.loads(out.read_text()) if r["variant"] == "lower bound"))
+    assert periods[0] == pytest.approx(periods[1])
 
 
 def test_simulator_rescales_inversions_timed_with_another_method() -> None:
@@ -364,6 +372,12 @@ def test_simulated_update_broadcasts_match_hand_computation() -> None:
     del layers["layers"][1]["t_precondition"]
     cost, rest = simulation.precondition_costs(layers["layers"], layers["breakdown"])
     assert cost == pytest.approx({"l1": 0.1, "l2": 0.28}) and rest == pytest.approx(0.2)
+    # Its owner's seconds where the trace has them (from rows: far below the multiply-add rate); rank 0's
+    # Other holds none of them.
+    layers["layers"][1]["t_precondition_elsewhere"] = 0.05
+    cost, rest = simulation.precondition_costs(layers["layers"], layers["breakdown"])
+    assert cost == pytest.approx({"l1": 0.1, "l2": 0.05}) and rest == pytest.approx(0.2)
+    assert simulation.lower_bound(layers, prof, 2, shared_precondition=True) == pytest.approx(9.5 + 0.075 + 0.2)
 
 
 def test_simulated_reductions_to_owners_match_hand_computation() -> None:
@@ -495,6 +509,18 @@ def test_simulated_inverse_period_matches_hand_computation() -> None:
     )
     assert update["InverseComp"] == 0 and update["InverseComm"] > 0
     assert simulation.lower_bound(layers, prof, 2, intervals=(1, 2)) == pytest.approx(4.0 + 2.0 + 3.5 / 2 + 0.3)
+    # The steps between inversions traced apart (factors exchanged only where inverted: the inverting step
+    # multiplies out the rows held since the last, FactorComp 2 s, against 0.5 s between; Other 0.3 and
+    # 0.1 s): each kind of step takes its own trace's work. Inverting 4 + 2 + 3.5 + 0.3 = 9.8 s, a step
+    # of factors only 4 + 0.5 + 0.1, one without 4.1.
+    apart = {**layers, "breakdown": {"FF&BP": 4.0, "FactorComp": 0.5, "Other": 0.1}}
+    apart["layers"] = [{**r, "t_factor_a": 0.1, "t_factor_g": 0.05} for r in layers["layers"]]
+    bound = simulation.lower_bound(layers, prof, 2, intervals=(1, 2), between=apart)
+    assert bound == pytest.approx((9.8 + 4.6) / 2)
+    bound = simulation.lower_bound(layers, prof, 2, intervals=(2, 4), between=apart)
+    assert bound == pytest.approx((9.8 + 4.6 + 2 * 4.1) / 4)
+    same = simulation.lower_bound(layers, prof, 2, intervals=(2, 4), between=layers)
+    assert same == pytest.approx(simulation.lower_bound(layers, prof, 2, intervals=(2, 4)))
     # Staggered over 2 turns (sides by dim^3: l2/A 64 to turn 0; l1/A 27, l2/G 27 and l1/G 8 each to the turn
     # they lengthen least, then the shorter: turn 1): each factor step inverts its turn's, 3 s and 4 s.
     assert simulation.simulate(layers, prof, 2, d, inverting=simulation.Turn(0, 2))["total"] == pytest.approx(10.05)

@@ -28,7 +28,10 @@ profile measured one (``methods``). ``--intervals F/I`` simulates the recipe's u
 the mean step over one inverse period (one inverting step, I/F - 1 steps that only update factors,
 the rest neither), what ``kfac.variant=auto`` compares; with ``--inverse-schedule staggered`` each factor update
 inverts its own turn's factors. The lower bound hides all communication and shares perfectly
-balanced inverses for free; preconditioning, which every rank does for every layer, stays in it.
+balanced inverses for free; preconditioning, which every rank does for every layer, stays in it
+(shared out, where owners precondition). At ``--intervals`` it is the mean over a period, the steps
+that do not invert taking the work of ``--between`` traces where given (a step that updates factors
+without inverting), else the traced step's own.
 """
 
 from __future__ import annotations
@@ -65,12 +68,26 @@ from kfacflow.simulation import PARTS, average, lower_bound, period, scale_compu
 THRESHOLD_MB = KFACConfig().fusion_threshold_mb
 
 
+def traced(files: list[str], compute_scale: float) -> dict[str, Any]:
+    """The average of these layer profiles, their compute times scaled (``--compute-scale``)."""
+    return scale_compute(average([json.loads(Path(f).read_text()) for f in files]), compute_scale)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "layers", nargs="+", help="layers.json written by a run with train.timeline=N (several: their average)"
     )
     p.add_argument("profile", help="performance profile (kfac.profile format)")
+    p.add_argument(
+        "--between",
+        nargs="+",
+        default=None,
+        metavar="LAYERS_JSON",
+        help="for the lower bound at --intervals: layers.json of a traced step that updates factors but does not "
+        "invert (several: their average), whose work the period's other steps take (default: the traced step's own; "
+        "trace an inverting step as the positional ones where factors are exchanged only where inverted)",
+    )
     p.add_argument("--workers", default="2,4,16,64")
     p.add_argument(
         "--variants",
@@ -151,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.factor_exchange is not None:
         chosen = {v: replace(stages, factor_exchange=args.factor_exchange) for v, stages in chosen.items()}
     try:
-        layers = scale_compute(average([json.loads(Path(f).read_text()) for f in args.layers]), args.compute_scale)
+        layers = traced(args.layers, args.compute_scale)
+        between = traced(args.between, args.compute_scale) if args.between else None
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     try:
@@ -197,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         # compute), and whether the preconditioning is shared out (kfac.broadcast=update).
         work = {v: (stages.inverse, _shares(stages)) for v, stages in chosen.items()}
         bounds = {
-            kind: lower_bound(layers, profile, workers, args.inverse == "measured", kind[0], kind[1], intervals=every)
+            kind: lower_bound(
+                layers, profile, workers, args.inverse == "measured", kind[0], kind[1], intervals=every, between=between
+            )
             for kind in dict.fromkeys(work.values())
         }
         for (method, shared), bound in bounds.items():
