@@ -39,6 +39,7 @@ from kfacflow.perf import Profile
 from kfacflow.resume import check_meta, check_model
 from kfacflow.rundir import CHECKPOINTS, checkpoints, load_latest_checkpoint
 from kfacflow.seeding import seed_all
+from kfacflow.timeline import traced_steps
 from kfacflow.timing import StepTimer
 
 logger = logging.getLogger(__name__)
@@ -358,6 +359,14 @@ def training(cfg: DictConfig, backend: Backend, run_dir: Path, timer: StepTimer)
         raise UserError(
             f"train.timeline={cfg.train.timeline} is after the run's last step ({total}); "
             f"pick a step from 1 to {total} (0 turns it off)."
+        )
+    last = traced_steps(cfg.train)[-1:]
+    if last and last[0] > total:
+        t = cfg.train
+        raise UserError(
+            f"train.timeline_steps={t.timeline_steps} steps from train.timeline={t.timeline}, one every "
+            f"train.timeline_every={t.timeline_every}, end at step {last[0]}, after the run's last step ({total}); "
+            f"trace fewer steps or raise train.steps."
         )
     scheduler = build_scheduler(optimizer, cfg.schedule, steps_per_epoch, total)
     seed_all(cfg.train.seed + 1 + rank)  # per-rank streams for dropout and augmentation

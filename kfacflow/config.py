@@ -178,6 +178,12 @@ class TrainConfig:
     """First steps left out of the mean time breakdown and the median step time in summary.json."""
     timeline: int = field(default=0, metadata=at_least(0, "0 is off"))
     """Record step N (from 1) of every rank as timeline.json (Chrome trace) and timeline.png; 0 is off."""
+    timeline_steps: int = field(default=1, metadata=at_least(1))
+    """Steps traced from ``train.timeline`` on, one every ``train.timeline_every``: layers.json holds each layer's
+    mean over them (the Chrome trace and its picture are the first's), firmer than one step where steps vary."""
+    timeline_every: int = field(default=1, metadata=at_least(1))
+    """Steps from one traced step to the next (``train.timeline_steps``): e.g. ``kfac.inv_update_freq`` to trace
+    only inverting steps, ``kfac.factor_update_freq`` only factor updates."""
     ema: float = field(default=0.0, metadata=within(0, 1, "0 is off"))
     """Decay of an exponential moving average of the weights and buffers, updated after every optimizer step and
     evaluated beside the model (``val_loss_ema``, ``val_acc_ema``); 0 is off."""

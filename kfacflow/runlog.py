@@ -48,6 +48,8 @@ class RunLog:
         """The breakdown of every step this process trained (for the means in the summary)."""
         self.timed_steps: list[int] = []
         """The run's step number of each of :attr:`timings` (a skipped step is not timed)."""
+        self._traced: list[tuple[int, dict[str, Any]]] = []
+        """Each traced step's number and :func:`~kfacflow.timeline.layer_profile` (``train.timeline_steps``)."""
         self._written = 0
         self._columns: tuple[str, ...] | None = None
         """The columns of ``metrics.csv``: this version's, or those of the file an earlier version began."""
@@ -188,15 +190,18 @@ class RunLog:
     def timeline(
         self, events: list[Any], layers: list[Any], parts: dict[str, float], step: int, world: int, inverse: str
     ) -> None:
-        """Write the traced step: layers.json, the Chrome trace and its picture (also to TensorBoard)."""
+        """Write a traced step: layers.json (the mean of those traced so far); the first's trace and picture too."""
         if not self.on:
             return
-        from kfacflow.timeline import layer_profile, write_timeline
+        from kfacflow.timeline import layer_profile, mean_profile, write_timeline
 
         cfg = self.cfg
-        profile = layer_profile(events, layers, parts, world, cfg.data.batch_size, inverse)
+        self._traced.append((step, layer_profile(events, layers, parts, world, cfg.data.batch_size, inverse)))
+        profile = mean_profile([p for _, p in self._traced], [s for s, _ in self._traced])
         profile = {"model": cfg.model.name, "image_size": cfg.data.image_size, **profile}
         rundir.write_atomic(self.run_dir / "layers.json", json.dumps(profile, indent=1).encode())
+        if len(self._traced) > 1:
+            return
         title = (
             f"{cfg.name}: step {step} of {cfg.model.name}, {cfg.kfac.variant}, {world} "
             f"worker{'s' if world > 1 else ''}, {parts.get('total', 0.0):.2f} s"

@@ -264,7 +264,8 @@ def _passes(
     launches = plan_launches(entry.obj(fusion), forward, t_fwd, backward, t)  # the plan is the factor steps'
     elements = {r.key: r.elements for r in (*forward, *backward)}
     expected = estimated_arrivals([[(k, elements[k]) for k in keys] for _, keys in launches], prof.allreduce)
-    plan = step_plan(rows, prof, workers, stages, caps, expected, int(kfac.inv_update_freq))
+    staggered = kfac.inverse_schedule == "staggered" and kfac.inv_update_freq // kfac.factor_update_freq > 1
+    plan = step_plan(rows, prof, workers, stages, caps, expected, int(kfac.inv_update_freq), staggered)
     dims = [d for r in rows for d in (r["a_dim"], r["g_dim"])]
     # Averaging a factor into its running average: the traced FactorComp beyond the hooks, by size.
     update_total = max(0.0, measured.get("FactorComp", hooks) - hooks) if factors else 0.0
@@ -286,16 +287,18 @@ def step_plan(
     caps: EngineCaps,
     expected: dict[str, float] | None = None,
     inverse_every: int = 1,
+    staggered: bool = False,
 ) -> StepPlan:
     """The plan the running preconditioner makes for these layers (:func:`~kfacflow.kfac.plan.make_plan`).
 
     ``expected``: when each factor is expected to arrive (the trainer's estimate from the fusion's groups);
-    ``inverse_every``: ``kfac.inv_update_freq``. Layers go by their gradients (the simulator has no rows).
+    ``inverse_every``: ``kfac.inv_update_freq``; ``staggered``: inversions spread over the period. Layers
+    go by their gradients (the simulator has no rows).
     """
     layout = [(r["a_dim"], r["g_dim"], r["params"]) for r in rows]
     keys = [f"{r['name']}/{side}" for r in rows for side in ("A", "G")]
     ready = [expected.get(k, 0.0) for k in keys] if expected is not None else None
-    return make_plan(layout, Choice.named(stages), workers, profile, caps, True, ready, None, inverse_every)
+    return make_plan(layout, Choice.named(stages), workers, profile, caps, True, ready, None, inverse_every, staggered)
 
 
 def average(profiles: list[dict[str, Any]]) -> dict[str, Any]:

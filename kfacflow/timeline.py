@@ -83,6 +83,42 @@ def write_timeline(events_by_rank: list[list[dict[str, Any]]], run_dir: Path, ti
     return fig
 
 
+def traced_steps(train: Any) -> list[int]:
+    """The steps ``train.timeline``, ``train.timeline_steps`` and ``train.timeline_every`` trace (none: off)."""
+    if train.timeline <= 0:
+        return []
+    return [train.timeline + i * train.timeline_every for i in range(train.timeline_steps)]
+
+
+def mean_profile(profiles: list[dict[str, Any]], steps: list[int]) -> dict[str, Any]:
+    """Several traced steps' :func:`layer_profile` in one: each time the mean over the steps that have it.
+
+    A time a step lacks (``None``: an inverse on a step that inverts nothing, a layer's preconditioning
+    on the rank that did not own it) is left out of that time's mean, so steps that differ only in
+    what they measured average to what each measured; everything else is the first step's.
+    """
+
+    def mean(values: list[Any]) -> Any:
+        got = [v for v in values if v is not None]
+        return sum(got) / len(got) if got else None
+
+    first = profiles[0]
+    out = dict(first)
+    for key in ("t_forward_total", "t_backward_total"):
+        out[key] = mean([p.get(key) for p in profiles])
+    parts = {k for p in profiles for k in p["breakdown"]}
+    out["breakdown"] = {k: mean([p["breakdown"].get(k) for p in profiles]) for k in sorted(parts)}
+    rows = [{row["name"]: row for row in p["layers"]} for p in profiles]
+    out["layers"] = [
+        {
+            k: mean([r[row["name"]].get(k) for r in rows if row["name"] in r]) if k.startswith("t_") else v
+            for k, v in row.items()
+        }
+        for row in first["layers"]
+    ]
+    return {**out, "steps": list(steps)}
+
+
 def layer_profile(
     events_by_rank: list[list[dict[str, Any]]],
     layers: list[Any],

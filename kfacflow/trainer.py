@@ -28,7 +28,7 @@ from kfacflow.precision import MixedPrecision
 from kfacflow.resume import checkpoint_meta
 from kfacflow.runlog import RunLog
 from kfacflow.seeding import rng_state, set_rng_state
-from kfacflow.timeline import layer_profile
+from kfacflow.timeline import layer_profile, traced_steps
 from kfacflow.timing import StepTimer
 
 logger = logging.getLogger(__name__)
@@ -57,6 +57,8 @@ class Trainer:
         self.optimizer, self.scheduler = built.optimizer, built.scheduler
         self.loader, self.sampler, self.val_loader = built.loader, built.sampler, built.val_loader
         self.stages, self.steps_per_epoch, self.total = built.stages, built.steps_per_epoch, built.total
+        self._traced_steps = set(traced_steps(cfg.train))
+        """The steps traced for the run log (``train.timeline``)."""
         self.variant = cfg.kfac.variant
         """The variant in force (``auto`` becomes the preset it chose)."""
         self.image = f"{built.info.channels}x{built.info.image_size}x{built.info.image_size}"
@@ -250,7 +252,7 @@ class Trainer:
             This rank's mean loss, and the loss sum, correct count and samples over every rank.
         """
         choosing = self.stages.choose and self.step + 1 - self._began == auto.TRACED_STEP
-        self.timer.begin_step(trace=self.step + 1 == self.cfg.train.timeline or choosing)
+        self.timer.begin_step(trace=self.step + 1 in self._traced_steps or choosing)
         self.net.train()
         # BatchNorm statistics move in the forward pass: a skipped step puts them back.
         self._buffers = [b.detach().clone() for b in self.model.buffers()]
@@ -303,7 +305,7 @@ class Trainer:
         self.report.step_timed(self.step, parts)
         if self.timer.tracing:
             with self.timer.outside():
-                self._traced(parts, write=self.step == self.cfg.train.timeline, choose=choosing)
+                self._traced(parts, write=self.step in self._traced_steps, choose=choosing)
         return value, totals
 
     def _forward(self, x: Tensor) -> Tensor:

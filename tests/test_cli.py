@@ -364,6 +364,11 @@ UNCHECKED = [
     pytest.param(["data.image_size=1"], "data.image_size", id="image-too-small-for-the-model"),
     pytest.param(["kfac.skip=[layer9.*]"], "kfac.skip: 'layer9.*' matches no module", id="skip-matches-nothing"),
     pytest.param(["train.timeline=3"], "train.timeline=3 is after the run's last step (2)", id="timeline-after-end"),
+    pytest.param(
+        ["train.timeline=1", "train.timeline_steps=2", "train.timeline_every=2"],
+        "train.timeline_steps=2 steps from train.timeline=1, one every train.timeline_every=2, end at step 3",
+        id="timeline-window-after-end",
+    ),
     pytest.param(["train.accumulate=100"], "train.accumulate=100", id="accumulate-more-than-the-data"),
 ]
 

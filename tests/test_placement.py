@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from kfacflow import UserError
@@ -17,7 +19,7 @@ from kfacflow.kfac.placement import (
     round_robin,
     update_buckets,
 )
-from kfacflow.kfac.update_plan import layer_work
+from kfacflow.kfac.update_plan import LayerWork, layer_work
 from kfacflow.perf import InverseModel, LinearModel, Profile
 
 
@@ -124,7 +126,8 @@ def test_layer_placement_gives_whole_layers_and_keeps_cheap_ones_everywhere() ->
 
 
 def test_layer_placement_by_a_steps_work_sends_updates_while_the_owners_compute() -> None:
-    work, sizes = [1.0, 0.9, 0.3, 0.2], [100, 100, 100, 100, 100, 100, 400, 400]
+    work = LayerWork((1.0, 0.9, 0.3, 0.2), (0.0, 0.0, 0.0, 0.0), 10)  # preconditioning alone
+    sizes = [100, 100, 100, 100, 100, 100, 400, 400]
     dims = [10, 7, 8, 9, 2, 2, 3, 3]
     # Costliest first to the least loaded: 1.0 -> r0, 0.9 -> r1, 0.3 -> r1 (1.2), 0.2 -> r0 (1.2). Sending
     # overlaps the work, so however dear a broadcast, no layer is shared while the link keeps up.
@@ -150,9 +153,40 @@ def test_a_steps_work_counts_rows_and_a_share_of_the_inversions() -> None:
     assert precondition_cost(10, 7, prof, dense=True) == pytest.approx(1.19)
     assert precondition_cost(10, 7, prof, 2, dense=True) == pytest.approx(0.438)
     # Inverting both factors (0.5 + 0.1715 s) once in 10 steps.
-    pre, work = layer_work([10, 7, 8, 9], prof, [2, 0], 10)
-    assert pre == pytest.approx([0.438, 8 * 9 * 17 * 1e-3])
-    assert work == pytest.approx([0.438 + 0.06715, 1.224 + (0.256 + 0.3645) / 10])
+    work = layer_work([10, 7, 8, 9], prof, [2, 0], 10)
+    assert work.precondition == pytest.approx([0.438, 8 * 9 * 17 * 1e-3])
+    assert work.invert == pytest.approx([0.5 + 0.1715, 0.256 + 0.3645])
+    assert work.per_step() == pytest.approx([0.438 + 0.06715, 1.224 + (0.256 + 0.3645) / 10])
+    assert not work.staggered and layer_work([10, 7], prof, None, 10, staggered=True).staggered
+
+
+def test_a_period_waits_on_the_most_preconditioning_between_inversions_and_the_most_work_at_them() -> None:
+    work = LayerWork((0.2, 0.9, 0.5, 0.5), (8.0, 1.0, 0.0, 0.0), 10)
+    # Layers 0 and 2 on rank 0, 1 on rank 1, 3 on every rank.
+    pre, inv = work.loads([0, 1, 0, EVERY_RANK], 2)
+    assert pre == pytest.approx([1.2, 1.4]) and inv == pytest.approx([8.0, 1.0])
+    # Nine steps wait on rank 1's 1.4 s of preconditioning, the inverting one on rank 0's 9.2 s.
+    assert work.period(pre, inv) == pytest.approx(9 * 1.4 + 9.2)
+    # Staggered, each step carries a tenth of the inversions: ten steps of rank 0's 1.2 + 0.8 s.
+    assert replace(work, staggered=True).period(pre, inv) == pytest.approx(10 * 2.0)
+    # What a period waits on: the most preconditioning (rank 3) and the most of both (rank 1); staggered,
+    # the most of preconditioning and a tenth of the inversions (rank 2: 1.15 s against 1.1, 1.1 and 1.0 s).
+    pre, inv = [1.0, 0.2, 1.05, 1.1], [0.0, 9.0, 1.0, 0.0]
+    assert work.busiest(pre, inv) == {3, 1}
+    assert replace(work, staggered=True).busiest(pre, inv) == {2}
+
+
+def test_layers_are_balanced_between_inversions_and_at_them_not_on_a_steps_average() -> None:
+    # A step's average: 1.0, 1.0, 0.5, 0.5 s. Costliest first to the least loaded: 0 -> r0, 1 -> r1,
+    # 2 -> r0, 3 -> r1, 1.5 s each on average, but rank 0 inverts 8 s and rank 1 preconditions 1.4 s:
+    # a period of 9 x 1.4 + 8.7 = 21.3 s. Swapping layers 0 and 3 (rank 0: 2 and 3, 1.0 s between
+    # inversions; rank 1: 0 and 1, 1.1 s and 10.1 s at them) makes it 9 x 1.1 + 10.1 = 20.0 s, the least.
+    work = LayerWork((0.2, 0.9, 0.5, 0.5), (8.0, 1.0, 0.0, 0.0), 10)
+    dims, sizes = [10, 7, 8, 9, 2, 2, 3, 3], [100] * 8
+    assert layer(dims, sizes, 2, profile(0.0), work) == [1, 1, 1, 1, 0, 0, 0, 0]
+    assert work.period(*work.loads([1, 1, 0, 0], 2)) == pytest.approx(20.0)
+    # Staggered, each step carries its share of the inversions, and the average is what balances: 1.5 s each.
+    assert layer(dims, sizes, 2, profile(0.0), replace(work, staggered=True)) == [0, 0, 1, 1, 0, 0, 1, 1]
 
 
 def test_the_plan_places_layers_by_a_steps_work_only_between_inversions() -> None:

@@ -53,6 +53,8 @@ def test_breakdown_and_timeline_of_a_two_worker_run(tmp_path: Path, variant: str
         f"kfac.variant={variant}",
         "train.steps=6",
         "train.timeline=4",
+        "train.timeline_steps=2",
+        "train.timeline_every=2",
         "train.log_every=4",
         "kfac.profile_steps=1",
         "train.progress=false",
@@ -77,6 +79,7 @@ def test_breakdown_and_timeline_of_a_two_worker_run(tmp_path: Path, variant: str
     if variant == "flow":  # factors reduced to their owners (gloo's point-to-point work: until taken)
         assert any(" to " in e["name"] and e["cat"] == "allreduce" for e in events), sorted(lanes)
     assert (run / "timeline.png").stat().st_size > 10_000
+    assert json.loads((run / "layers.json").read_text())["steps"] == [4, 6]  # the mean of steps 4 and 6
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(run), size_guidance={"images": 0})
@@ -156,3 +159,27 @@ def test_a_layer_profile_takes_each_layers_preconditioning_from_whichever_rank_d
     rows = layer_profile(ranks, layers, {"Other": 0.5}, 3, 8)["layers"]
     assert [r["t_precondition"] for r in rows] == pytest.approx([0.1, None, None])
     assert [r["t_precondition_elsewhere"] for r in rows] == pytest.approx([None, 0.2, 0.4])
+
+
+def test_traced_steps_average_each_time_over_the_steps_that_measured_it() -> None:
+    from types import SimpleNamespace
+
+    from kfacflow.timeline import mean_profile, traced_steps
+
+    assert traced_steps(SimpleNamespace(timeline=21, timeline_steps=3, timeline_every=10)) == [21, 31, 41]
+    assert traced_steps(SimpleNamespace(timeline=5, timeline_steps=1, timeline_every=1)) == [5]
+    assert traced_steps(SimpleNamespace(timeline=0, timeline_steps=3, timeline_every=1)) == []
+
+    def step(fwd: float, inverse: float | None, other: float, extra: dict[str, float]) -> dict[str, object]:
+        row = {"name": "l1", "a_dim": 3, "g_dim": 2, "t_forward": fwd, "t_inverse_a": inverse}
+        return {"world_size": 2, "t_forward_total": fwd, "breakdown": {"Other": other, **extra}, "layers": [row]}
+
+    # Step 2 inverted nothing: its inverse is left out of the mean, as is the part only step 1 has.
+    profile = mean_profile([step(0.1, 0.5, 0.2, {"InverseComp": 0.6}), step(0.3, None, 0.4, {})], [1, 2])
+    assert profile["steps"] == [1, 2] and profile["world_size"] == 2
+    assert profile["t_forward_total"] == pytest.approx(0.2)
+    assert profile["t_backward_total"] is None  # neither step has it
+    assert profile["breakdown"] == pytest.approx({"InverseComp": 0.6, "Other": 0.3})
+    (row,) = profile["layers"]
+    assert row["name"] == "l1" and row["a_dim"] == 3
+    assert row["t_forward"] == pytest.approx(0.2) and row["t_inverse_a"] == pytest.approx(0.5)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from kfacflow import UserError
 from kfacflow.kfac.stages import EVERY_RANK
-from kfacflow.kfac.update_plan import by_layer, gathers, layer_order, precondition_cost, update_buckets
+from kfacflow.kfac.update_plan import LayerWork, by_layer, gathers, layer_order, precondition_cost, update_buckets
 from kfacflow.perf import Profile
 from kfacflow.registry import PLACEMENTS
 
@@ -209,23 +209,24 @@ def layer(
     sizes: Sequence[int],
     world_size: int,
     profile: Profile | None,
-    work: Sequence[float] | None = None,
+    work: LayerWork | None = None,
 ) -> list[int]:
     """Whole layers to owners, for ``kfac.broadcast=update`` (the owner preconditions and sends the update).
 
     Layers are taken costliest first (both inversions and the preconditioning, estimated). A layer
     that costs less than broadcasting its update is an NCT: every rank inverts and preconditions it.
     Otherwise the least-loaded rank owns both of its factors; its load grows by the work and the
-    broadcast, as in Algorithm 1, applied to layers. Given each layer's work a step (between
-    inversions), the updates travel while the owners compute instead (:func:`_overlapped`).
+    broadcast, as in Algorithm 1, applied to layers. Given each layer's work between and at
+    inversions, the updates travel while the owners compute instead (:func:`_overlapped`).
 
     Args:
         dims: Sides of the factors, A1, G1, A2, G2, ... (a layer's two factors are adjacent).
         sizes: Elements the layer's update sends (given for each of its two factors).
         world_size: Number of ranks.
         profile: Fitted performance models.
-        work: Each layer's seconds a step on its owner (:func:`~kfacflow.kfac.update_plan.layer_work`:
-            preconditioning from its rows where it goes by them, inversions at the recipe's interval).
+        work: Each layer's preconditioning and inverting seconds on its owner
+            (:func:`~kfacflow.kfac.update_plan.layer_work`: from its rows where it goes by them, at the
+            recipe's intervals).
 
     Raises:
         UserError: Without performance models to estimate the times.
@@ -237,39 +238,84 @@ def layer(
     comms = [profile.broadcast(m) for m in sizes[::2]]
     if work is None:
         layers = list(zip(dims[::2], dims[1::2], strict=True))  # (A side, G side)
-        work = [profile.inverse(a) + profile.inverse(g) + precondition_cost(a, g, profile) for a, g in layers]
-        owners = _balance(sorted(range(len(work)), key=lambda j: (-work[j], j)), work, comms, world_size)
+        each = [profile.inverse(a) + profile.inverse(g) + precondition_cost(a, g, profile) for a, g in layers]
+        owners = _balance(sorted(range(len(each)), key=lambda j: (-each[j], j)), each, comms, world_size)
     else:
         owners = _overlapped(work, comms, world_size)
     return [owner for owner in owners for _ in (0, 1)]
 
 
-def _overlapped(work: Sequence[float], comms: Sequence[float], world_size: int) -> list[int]:
-    """Whole layers by their work a step, each owner's updates leaving while it computes the next.
+def _overlapped(work: LayerWork, comms: Sequence[float], world_size: int) -> list[int]:
+    """Whole layers by their work, each owner's updates leaving while it computes the next.
 
     A step's updates travel while the owners precondition, so owning a layer costs its owner the work
     alone, and a layer done by every rank costs every rank its work: every layer is owned, costliest
-    first by the least-loaded rank, unless the link is what bounds the step. While the sends take
-    longer than the busiest rank's work (at P = 2 each owner's go their own way, point to point;
-    beyond, all of them share one link), the busiest owner's layer that sends the most for the least
-    work goes to every rank instead (no update sent).
+    first (by its work a step, averaged over the period) by the least-loaded rank, then moved or
+    swapped between ranks while that shortens the period (:func:`_rebalance`), unless the link is
+    what bounds the step. While the sends take longer than the busiest rank's work (at P = 2 each
+    owner's go their own way, point to point; beyond, all of them share one link), the busiest
+    owner's layer that sends the most for the least work goes to every rank instead (no update sent).
     """
-    owners = [EVERY_RANK] * len(work)
+    steps = work.per_step()
+    owners = [EVERY_RANK] * len(steps)
     load = [0.0] * world_size
-    for j in sorted(range(len(work)), key=lambda j: (-work[j], j)):
+    for j in sorted(range(len(steps)), key=lambda j: (-steps[j], j)):
         rank = min(range(world_size), key=lambda r: (load[r], r))
         owners[j] = rank
-        load[rank] += work[j]
-    sends = [sum(comms[j] for j in range(len(work)) if owners[j] == r) for r in range(world_size)]
+        load[rank] += steps[j]
+    owners = _rebalance(owners, work, world_size)
+    pre, inv = work.loads(owners, world_size)
+    load = [p + v / work.every for p, v in zip(pre, inv, strict=True)]
+    sends = [sum(comms[j] for j in range(len(steps)) if owners[j] == r) for r in range(world_size)]
     while True:
         busiest = max(range(world_size), key=lambda r: (sends[r], -r))
         if (sends[busiest] if world_size == 2 else sum(sends)) <= max(load):
             return owners
-        mine = [j for j in range(len(work)) if owners[j] == busiest]
-        j = max(mine, key=lambda j: (comms[j] / max(work[j], 1e-12), -j))
+        mine = [j for j in range(len(steps)) if owners[j] == busiest]
+        j = max(mine, key=lambda j: (comms[j] / max(steps[j], 1e-12), -j))
         owners[j] = EVERY_RANK
         sends[busiest] -= comms[j]
-        load = [x + work[j] if r != busiest else x for r, x in enumerate(load)]
+        load = [x + steps[j] if r != busiest else x for r, x in enumerate(load)]
+
+
+def _rebalance(owners: list[int], work: LayerWork, world_size: int) -> list[int]:
+    """Move a layer to another rank, or swap two, while that shortens the period (:meth:`LayerWork.period`).
+
+    Only a change that takes work off a rank the period waits on can shorten it
+    (:meth:`LayerWork.busiest`), so those ranks' layers are the ones tried: each to every other rank,
+    or swapped with each layer there; the first change that shortens the period is kept, until none does.
+    """
+    owners = list(owners)
+    pre, inv = work.loads(owners, world_size)
+    best = work.period(pre, inv)
+    p, v = work.precondition, work.invert
+    for _ in range(4 * len(owners) + 1):  # each pass shortens the period; bounded all the same
+        busy = work.busiest(pre, inv)
+        found = None
+        for j in (j for j in range(len(owners)) if owners[j] in busy):
+            a = owners[j]
+            changes: list[tuple[int, int | None]] = [(b, None) for b in range(world_size) if b != a]
+            changes += [(owners[k], k) for k in range(len(owners)) if owners[k] not in (a, EVERY_RANK)]
+            for b, k in changes:
+                dp, dv = p[j] - (p[k] if k is not None else 0.0), v[j] - (v[k] if k is not None else 0.0)
+                new_pre, new_inv = list(pre), list(inv)
+                new_pre[a] -= dp
+                new_inv[a] -= dv
+                new_pre[b] += dp
+                new_inv[b] += dv
+                value = work.period(new_pre, new_inv)
+                if value < best * (1 - 1e-9):
+                    found = (j, a, b, k, new_pre, new_inv, value)
+                    break
+            if found:
+                break
+        if found is None:
+            return owners
+        j, a, b, k, pre, inv, best = found
+        owners[j] = b
+        if k is not None:
+            owners[k] = a
+    return owners
 
 
 @dataclass(frozen=True)
@@ -278,7 +324,7 @@ class Rule:
 
     owners: Callable[..., list[int]]
     weighs_layers: bool = False
-    """Whether :attr:`owners` places whole layers by each one's work a step (its ``work`` argument)."""
+    """Whether :attr:`owners` places whole layers by each one's work (its ``work`` argument)."""
 
     @property
     def name(self) -> str:
@@ -291,9 +337,9 @@ class Rule:
         sizes: Sequence[int],
         world_size: int,
         profile: Profile | None,
-        work: Sequence[float] | None = None,
+        work: LayerWork | None = None,
     ) -> list[int]:
-        """The rule's owners (``work``: each layer's seconds a step, for a rule that weighs layers)."""
+        """The rule's owners (``work``: each layer's work on its owner, for a rule that weighs layers)."""
         if work is None:
             return self.owners(dims, sizes, world_size, profile)
         return self.owners(dims, sizes, world_size, profile, work)

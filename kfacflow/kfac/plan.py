@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from kfacflow import registry
 from kfacflow.comm import scatter
 from kfacflow.kfac.stages import EVERY_RANK, Inverse, Placement
-from kfacflow.kfac.update_plan import by_layer, gathers, layer_order, layer_work, update_buckets
+from kfacflow.kfac.update_plan import LayerWork, by_layer, gathers, layer_order, layer_work, update_buckets
 from kfacflow.perf import Profile
 
 if TYPE_CHECKING:
@@ -156,6 +156,7 @@ def make_plan(
     ready: Sequence[float] | None = None,
     rows: Sequence[int] | None = None,
     inverse_every: int = 1,
+    staggered: bool = False,
 ) -> StepPlan:
     """Plan a step.
 
@@ -172,8 +173,9 @@ def make_plan(
         rows: Rows a step of each layer that is preconditioned from them (0: from its gradient), over every
             rank (``kfac.precondition=rows``).
         inverse_every: Steps between inversions (``kfac.inv_update_freq``). Where updates travel and it is
-            over 1, whole layers are placed by their work a step (:func:`~kfacflow.kfac.update_plan.layer_work`:
-            preconditioning, from rows where a layer goes by them, and a share of the inversions).
+            over 1, whole layers are placed by their work (:func:`~kfacflow.kfac.update_plan.layer_work`:
+            preconditioning, from rows where a layer goes by them, and inverting, each on the steps it lands on).
+        staggered: Whether inversions are spread over their period (``kfac.inverse_schedule=staggered``).
     """
     dims = [d for a, g, _ in layers for d in (a, g)]
     if choice.update:  # what travels is the layer's update, once for both of its factors
@@ -181,9 +183,10 @@ def make_plan(
     else:
         sizes = [choice.result.full_elements(d) if choice.full else choice.result.elements(d) for d in dims]
     cost: list[float] | None = None
-    work: list[float] | None = None
+    work: LayerWork | None = None
     if choice.update and profile is not None and inverse_every > 1:  # at 1/1 Algorithm 1 (inversions, then sends)
-        cost, work = layer_work(dims, profile, rows, inverse_every)
+        work = layer_work(dims, profile, rows, inverse_every, staggered)
+        cost = list(work.precondition)
     if work is not None and getattr(choice.placement, "weighs_layers", False):
         owners = choice.placement(dims, sizes, world, profile, work)  # type: ignore[call-arg]
     else:

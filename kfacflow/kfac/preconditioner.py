@@ -186,8 +186,8 @@ class Preconditioner:
         times = [ready.get(slot.key, 0.0) for slot in self.slots] if ready is not None else None
         world, caps, choice = self.backend.world_size, EngineCaps.of(self.backend), choice_of(self.stages)
         rows = [self.rows.planned.get(layer.name, 0) * world for layer in self.layers] if self.rows.planned else None
-        every = self.cfg.inv_update_freq
-        self.plan = make_plan(layout, choice, world, self.profile, caps, settled, times, rows, every)
+        every, staggered = self.cfg.inv_update_freq, self.schedule.staggered > 0
+        self.plan = make_plan(layout, choice, world, self.profile, caps, settled, times, rows, every, staggered)
         placed = place(self.plan, self.layers, self.slots, self.backend, self.profile)
         self._order, self.layer_order, self.grad_owned = placed.order, placed.layer_order, placed.grad_owned
         self.schedule.plan(self.keys, self.plan.dims, self.plan.owners, world)
