@@ -687,3 +687,20 @@ def test_tta_sweeps_chooses_by_accuracy_and_times_the_targets(tmp_path: Path) ->
     assert "| sgd (" in (out / "tta.md").read_text() and (out / "tta.png").stat().st_size > 10_000
     again = run_tool("tta.py", *args, timeout=600)  # every run is on disk: nothing is trained again
     assert again.returncode == 0 and "$ " not in again.stdout, again.stdout
+
+
+def test_periods_are_the_means_of_whole_inverse_periods(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import periods
+
+    # Inverting steps 1, 11 and 21 take 10 s, the others 1 s; steps 21-25 are no whole period.
+    steps = {s: 10.0 if s % 10 == 1 else 1.0 for s in range(1, 26)}
+    assert periods.periods(steps, 10, 11) == pytest.approx([1.9])
+    assert periods.periods(steps, 10, 1) == pytest.approx([1.9, 1.9])
+    assert periods.periods(steps, 5, 1) == pytest.approx([2.8, 1.0, 2.8, 1.0, 2.8])
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "timings.jsonl").write_text("".join(json.dumps({"step": s, "total": t}) + "\n" for s, t in steps.items()))
+    assert periods.main(["--every", "10", str(run)]) == 0
+    assert capsys.readouterr().out.strip() == f"{run}  periods from step 11: 1.900"
+    assert periods.main(["--every", "10", str(tmp_path)]) == 2  # not a run folder: one line, exit 2
+    assert "has no timings.jsonl" in capsys.readouterr().err

@@ -36,7 +36,8 @@ trace r50_10_100_between "$R50" $P50 10 100 181 111 8 10
 bench r50_10_100 "$R50" $P50 10/100 100 100
 bench r50_10_100_sgd "$R50" $P50 10/100 100 100 sgd
 # Then, from the kept files:
-# python docs/results/bound_windows_2x1gbit/periods.py /tmp/bound2 > docs/results/bound_windows_2x1gbit/periods.txt
+# (cd /tmp/bound2 && python /work/main/tools/periods.py --every 10 *1_10*/run/*/ bench_*1_10/runs/*/run/*/ &&
+#   python /work/main/tools/periods.py --every 100 bench_*10_100*/runs/*/run/*/) > docs/results/bound_windows_2x1gbit/periods.txt
 # python tools/simulate.py docs/results/bound_windows_2x1gbit/traces/r50_1_10_inv.json docs/results/resnet50_2x1gbit/profile.yaml \
 #   --workers 2 --variants flow --engine gloo --intervals 1/10 --between docs/results/bound_windows_2x1gbit/traces/r50_1_10_between.json
 # (r18_*: docs/results/resnet18_2x1gbit/profile.yaml; 10_100: --intervals 10/100)
