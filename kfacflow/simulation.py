@@ -43,7 +43,7 @@ from kfacflow.kfac import (  # noqa: F401  (all but options register the entries
 from kfacflow.kfac.fusion import SCATTER, Ready, Routing, estimated_arrivals, plan_launches
 from kfacflow.kfac.packing import packed_size
 from kfacflow.kfac.plan import Choice, EngineCaps, StepPlan, make_plan
-from kfacflow.kfac.schedule import stagger
+from kfacflow.kfac.schedule import Schedule, stagger
 from kfacflow.kfac.stages import FusionOptions
 from kfacflow.kfac.variants import Stages
 from kfacflow.perf import LinearModel, Profile
@@ -203,8 +203,8 @@ def period(
     kfac = kfac or KFACConfig()
     f, i = int(kfac.factor_update_freq), int(kfac.inv_update_freq)
     kinds: list[tuple[tuple[bool, bool | Turn], int]]
-    if kfac.inverse_schedule == "staggered" and i // f > 1:
-        kinds = [((True, Turn(turn, i // f)), 1) for turn in range(i // f)]
+    if turns := Schedule(kfac).staggered:
+        kinds = [((True, Turn(turn, turns)), 1) for turn in range(turns)]
     else:
         kinds = [((True, True), 1), ((True, False), i // f - 1)]
     kinds.append(((False, False), i - i // f))
@@ -264,7 +264,7 @@ def _passes(
     launches = plan_launches(entry.obj(fusion), forward, t_fwd, backward, t)  # the plan is the factor steps'
     elements = {r.key: r.elements for r in (*forward, *backward)}
     expected = estimated_arrivals([[(k, elements[k]) for k in keys] for _, keys in launches], prof.allreduce)
-    staggered = kfac.inverse_schedule == "staggered" and kfac.inv_update_freq // kfac.factor_update_freq > 1
+    staggered = Schedule(kfac).staggered > 0
     plan = step_plan(rows, prof, workers, stages, caps, expected, int(kfac.inv_update_freq), staggered)
     dims = [d for r in rows for d in (r["a_dim"], r["g_dim"])]
     # Averaging a factor into its running average: the traced FactorComp beyond the hooks, by size.
