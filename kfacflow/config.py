@@ -144,6 +144,9 @@ class TrainConfig:
     eval_every_steps: int = field(default=0, metadata=at_least(0, "0 evaluates by train.eval_every epochs only"))
     """Also evaluate every this many optimizer steps (for a curve of accuracy against time); each evaluation
     records the training seconds so far (``seconds``: wall time without evaluations and checkpoints)."""
+    stop_at_accuracy: float = field(default=0.0, metadata=within(0, 1, "0 is off"))
+    """End the run at the first evaluation whose validation accuracy is at least this (time to accuracy: the
+    learning-rate schedule stays the whole run's, so the steps up to there are the full run's)."""
     checkpoint_every: int = field(default=0, metadata=at_least(0, "0 checkpoints at the end of each epoch only"))
     """Steps between checkpoints; 0 checkpoints at the end of each epoch only."""
     keep_checkpoints: int = field(default=2, metadata=at_least(0, "0 keeps every checkpoint"))

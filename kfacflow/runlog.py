@@ -241,4 +241,5 @@ class RunLog:
             "skipped_steps": trainer.skipped_steps,
             "repaired_params": trainer.repaired,
             "stopped_by": signal.Signals(trainer.stopped_by).name if trainer.stopped_by else None,
+            "stopped_at_accuracy": self.cfg.train.stop_at_accuracy if trainer.reached_target else None,
         }

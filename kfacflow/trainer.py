@@ -121,6 +121,12 @@ class Trainer:
             self._seconds, self._since = seconds, time.perf_counter()
 
     @property
+    def reached_target(self) -> bool:
+        """Whether an evaluation reached ``train.stop_at_accuracy`` (every rank holds the same history)."""
+        target = self.cfg.train.stop_at_accuracy
+        return target > 0 and any(record["val_acc"] >= target for record in self.history)
+
+    @property
     def evaluated(self) -> bool:
         """Whether the validation set was evaluated after the current step."""
         return any(record["step"] == self.step for record in self.history)
@@ -198,7 +204,7 @@ class Trainer:
         self.report.open(self.step, self.total, self.evaluated)
         every = self.cfg.train.eval_every_steps
         epoch_loss = (0.0, 0)
-        while self.step < self.total:
+        while self.step < self.total and not self.reached_target:
             epoch, offset = divmod(self.step, self.steps_per_epoch)
             self.sampler.set_epoch(epoch)
             self.sampler.skip = offset * self.cfg.data.batch_size * self.accumulate
@@ -218,6 +224,8 @@ class Trainer:
                 if self.cfg.train.checkpoint_every and self.step % self.cfg.train.checkpoint_every == 0:
                     self.checkpoint()
                 if self.step >= self.total or self.step % self.steps_per_epoch == 0 or self.stopped_by:
+                    break
+                if every and self.step % every == 0 and self.reached_target:
                     break
             epoch_loss = (float(epoch_sums[0]), int(epoch_sums[2]))
             if self.stopped_by:

@@ -174,6 +174,13 @@ def _run(config_yaml: str, argv: list[str], announce: bool, rank: int) -> str | 
                 flush=True,
             )
         raise SystemExit(128 + trainer.stopped_by)
+    if summary["stopped_at_accuracy"] is not None:
+        logger.info(
+            "train.stop_at_accuracy=%g reached: stopped at step %d of %d",
+            cfg.train.stop_at_accuracy,
+            trainer.step,
+            trainer.total,
+        )
     logger.info(
         "val_acc %.4f val_loss %.4f after %d steps in %.1f s",
         summary["val_acc"],

@@ -689,6 +689,33 @@ def test_tta_sweeps_chooses_by_accuracy_and_times_the_targets(tmp_path: Path) ->
     assert again.returncode == 0 and "$ " not in again.stdout, again.stdout
 
 
+def test_tta_stopping_at_the_target_chooses_the_first_to_reach_it() -> None:
+    import tta
+
+    def run(lr: str, accs: list[float], stopped: float | None) -> dict[str, object]:
+        history = [{"epoch": i / 4, "seconds": 10.0 * i, "val_acc": a} for i, a in enumerate(accs, 1)]
+        return {
+            "optimizer": "flow",
+            "point": [f"optim.lr={lr}"],
+            "val_acc": accs[-1],
+            "train_seconds": 10.0 * len(accs),
+            "steps": 10 * len(accs),
+            "step_time_median_s": 0.1,
+            "history": history,
+            "stopped_at_accuracy": stopped,
+        }
+
+    slow_high = run("0.1", [0.5, 0.8, 0.95], None)  # the best final accuracy, at 30 s
+    fast = run("0.2", [0.8, 0.9], 0.9)  # the first to 90 %, stopped there at 20 s
+    never = run("0.05", [0.5, 0.6, 0.7], None)
+    assert tta.best([slow_high, fast, never]) is slow_high
+    assert tta.best([slow_high, fast, never], stop_at=0.9) is fast
+    assert tta.best([never], stop_at=0.9) is never
+    rows = tta.summarize({"flow": [fast]}, [0.9])
+    assert rows[0]["stopped"] == 1 and rows[0]["0.9"]["seconds"] == 20.0
+    assert "0.900 (1 stopped at the target)" in tta.markdown(rows, [0.9])
+
+
 def test_periods_are_the_means_of_whole_inverse_periods(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import periods
 

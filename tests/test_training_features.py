@@ -207,6 +207,26 @@ def test_the_moving_average_of_the_weights(mine: Path) -> None:
     assert torch.equal(exported["model_ema"]["1.weight"], ema[2])
 
 
+def test_a_run_stops_at_the_first_evaluation_that_reaches_the_target_accuracy(mine: Path) -> None:
+    # Every label is 0 and the model starts out predicting 2: accuracy jumps from 0 to 1 at some step.
+    proc = run_mine(mine, "train.steps=60", "train.eval_every_steps=1", "train.stop_at_accuracy=0.5")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = mine / last_line(proc)
+    summary = json.loads((run / "summary.json").read_text())
+    accs = [r["val_acc"] for r in summary["history"]]
+    assert accs[-1] == 1.0 and set(accs[:-1]) == {0.0}, accs
+    assert summary["steps"] == summary["history"][-1]["step"] == len(accs) < 60
+    assert summary["stopped_at_accuracy"] == 0.5 and "train.stop_at_accuracy=0.5 reached" in proc.stderr
+    assert sorted((run / "checkpoints").glob("*.pt"))[-1].name == f"step_{summary['steps']:08d}.pt"
+    full = json.loads(
+        (mine / last_line(run_mine(mine, "train.steps=60", "train.eval_every_steps=1")) / "summary.json").read_text()
+    )
+    assert full["history"][: len(accs)] == [
+        {**r, "seconds": f["seconds"]} for r, f in zip(summary["history"], full["history"], strict=False)
+    ]
+    assert full["steps"] == 60 and full["stopped_at_accuracy"] is None
+
+
 def test_evaluation_every_n_steps_records_the_training_seconds(mine: Path) -> None:
     proc = run_mine(mine, "train.steps=6", "train.eval_every_steps=2", "train.metrics=csv")
     assert proc.returncode == 0, proc.stderr[-3000:]

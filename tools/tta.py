@@ -13,6 +13,12 @@ evaluating every ``--eval-every`` steps; each evaluation records the training se
 left out, the same clock for every optimizer). A run whose ``summary.json`` is already in ``--out``
 is read, not trained again, so an interrupted sweep resumes where it stopped.
 
+``--stop-at`` ends each run at its first evaluation at or above the highest target
+(``train.stop_at_accuracy``): the learning-rate schedule is still the whole budget's, so the curve
+up to there is the full run's, and the rest of the budget is not spent. The point of a sweep is
+then the one first to that target (not the best final accuracy), and the table's accuracy is the
+one at the stop.
+
 Writes ``tta.json`` (every run's history, the chosen points, the summary), ``tta.md`` (the mean step:
 training seconds over steps, inversion steps and all; seconds and epochs to each target: mean and
 range over the seeds that reach it, with how many did, and K-FAC's time as a ratio to the fastest
@@ -117,12 +123,19 @@ def record(name: str, point: list[str], seed: int, summary: dict[str, Any]) -> d
         "steps": summary["steps"],
         "step_time_median_s": summary["step_time_median_s"],
         "outside_wall_s": summary.get("outside_wall_s"),
+        "stopped_at_accuracy": summary.get("stopped_at_accuracy"),
         "history": [{k: r[k] for k in ("epoch", "step", "seconds", "val_acc", "val_loss")} for r in summary["history"]],
     }
 
 
-def best(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run with the best final validation accuracy; ties go to fewer training seconds."""
+def best(runs: list[dict[str, Any]], stop_at: float = 0.0) -> dict[str, Any]:
+    """The run with the best final validation accuracy; ties go to fewer training seconds.
+
+    With ``stop_at`` (the runs stopped there): the first to reach it, then the best accuracy.
+    """
+    if stop_at:
+        hits = {id(r): reached(r["history"], stop_at) for r in runs}
+        return min(runs, key=lambda r: (h["seconds"] if (h := hits[id(r)]) else float("inf"), -r["val_acc"]))
     return max(runs, key=lambda r: (r["val_acc"], -r["train_seconds"]))
 
 
@@ -139,6 +152,7 @@ def summarize(chosen: dict[str, list[dict[str, Any]]], targets: list[float]) -> 
             "step_ms": 1000 * statistics.fmean(r["train_seconds"] / r["steps"] for r in runs),
             "median_step_ms": 1000 * statistics.fmean(r["step_time_median_s"] for r in runs),
             "budget_seconds": statistics.fmean(r["train_seconds"] for r in runs),
+            "stopped": sum(1 for r in runs if r.get("stopped_at_accuracy")),
         }
         for target in targets:
             hits = [h for r in runs if (h := reached(r["history"], target)) is not None]
@@ -164,7 +178,9 @@ def markdown(rows: list[dict[str, Any]], targets: list[float]) -> str:
         fastest[target] = min(times) if times else None
     for row in rows:
         acc = row["final_acc_mean"]
-        cells = [f"{row['optimizer']} ({' '.join(row['point']) or 'recipe'})", f"{acc:.3f}", f"{row['step_ms']:.1f}"]
+        stopped = f" ({row['stopped']} stopped at the target)" if row.get("stopped") else ""
+        cells = [f"{row['optimizer']} ({' '.join(row['point']) or 'recipe'})", f"{acc:.3f}{stopped}"]
+        cells.append(f"{row['step_ms']:.1f}")
         for target in targets:
             entry = row[f"{target:g}"]
             if not entry["reached"]:
@@ -229,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=100, help="steps between evaluations")
     parser.add_argument("--targets", default="0.9")
     parser.add_argument("--out", type=Path, default=Path("runs/tta"))
+    parser.add_argument("--stop-at", action="store_true", help="end each run once it reaches the highest target")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
     unknown = [n for n in names if n not in OPTIMIZERS]
@@ -250,20 +267,24 @@ def main(argv: list[str] | None = None) -> int:
         "train.progress=false",
         "train.save=false",
     ]
+    stop_at = targets[-1] if args.stop_at else 0.0
+    if stop_at:
+        common.append(f"train.stop_at_accuracy={stop_at}")
+    tail = f"_to{stop_at:g}" if stop_at else ""  # a stopped run is no full run to reuse, nor the other way
     everything: list[dict[str, Any]] = []
     chosen: dict[str, list[dict[str, Any]]] = {}
     for name in names:
         print(f"{name}: sweep {grids[name]} (seed {seeds[0]})", flush=True)
         sweep = []
         for point in parse_grid(grids[name]):
-            folder = args.out / "runs" / name / point_name(point) / f"seed{seeds[0]}"
+            folder = args.out / "runs" / name / point_name(point) / f"seed{seeds[0]}{tail}"
             overrides = [*OPTIMIZERS[name], *common, *point, f"train.seed={seeds[0]}"]
             sweep.append(record(name, point, seeds[0], train(args.recipe, overrides, folder)))
             print(f"  {' '.join(point)}: val acc {sweep[-1]['val_acc']:.4f}", flush=True)
-        top = best(sweep)
+        top = best(sweep, stop_at)
         chosen[name] = [top]
         for seed in seeds[1:]:
-            folder = args.out / "runs" / name / point_name(top["point"]) / f"seed{seed}"
+            folder = args.out / "runs" / name / point_name(top["point"]) / f"seed{seed}{tail}"
             overrides = [*OPTIMIZERS[name], *common, *top["point"], f"train.seed={seed}"]
             chosen[name].append(record(name, top["point"], seed, train(args.recipe, overrides, folder)))
         everything += sweep + chosen[name][1:]
@@ -276,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         "epochs": args.epochs,
         "seeds": seeds,
         "targets": targets,
+        "stop_at": stop_at or None,
         "cpus": os.cpu_count(),
         "grids": {n: grids[n] for n in names},
         "summary": rows,
