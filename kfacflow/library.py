@@ -212,6 +212,14 @@ class KFACPreconditioner:
         """Steps taken so far."""
         return self.core.steps
 
+    def mean_clip_scale(self) -> float | None:
+        """The mean factor KL clipping scaled the updates by since the last call (1: never clipped; None: no clipping).
+
+        Near 0 for long stretches means ``kl_clip``, not the learning rate, sets the step size: a
+        schedule's decay then changes nothing until ``lr`` falls below the clip (reads the device).
+        """
+        return self.core.mean_clip_scale()
+
     def step(self, lr: float | None = None) -> None:
         """Precondition the gradients of this step in place (factors and inverses updated when due).
 

@@ -22,9 +22,10 @@ from kfacflow.timing import summarize
 logger = logging.getLogger(__name__)
 
 TIMINGS = "timings.jsonl"
-METRICS = ("step", "kind", "loss", "acc", "lr", "step_s", "images_per_s", "seconds")
+METRICS = ("step", "kind", "loss", "acc", "lr", "step_s", "images_per_s", "seconds", "kl_clip_scale")
 """The columns of ``metrics.csv`` (``train.metrics=csv``); training rows leave ``seconds`` (the training seconds
-so far) empty, validation rows ``lr``, ``step_s`` and ``images_per_s``."""
+so far) empty, validation rows ``lr``, ``step_s``, ``images_per_s`` and ``kl_clip_scale`` (the mean factor KL
+clipping scaled K-FAC's updates by since the last row; empty without K-FAC or clipping)."""
 
 
 class RunLog:
@@ -123,8 +124,10 @@ class RunLog:
         for name, keep in ((TIMINGS, json_row), ("metrics.jsonl", json_row), ("metrics.csv", csv_row)):
             rundir.keep_lines(self.run_dir / name, keep)
 
-    def train_scalars(self, step: int, loss: float, acc: float, lr: float) -> None:
+    def train_scalars(self, step: int, loss: float, acc: float, lr: float, clip: float | None = None) -> None:
         """Write the training scalars and the breakdown of the steps since the last call, and append timings.jsonl.
+
+        ``clip``: the mean KL clipping factor of those steps (``kfac/kl_clip_scale``; None: no K-FAC or no clipping).
 
         Raises:
             StorageError: If timings.jsonl cannot be written.
@@ -137,6 +140,9 @@ class RunLog:
         fresh = self.timings[self._written :]
         mean = summarize(fresh, 0)
         record: dict[str, Any] = {"step": step, "kind": "train", "loss": loss, "acc": acc, "lr": lr}
+        if clip is not None:
+            record["kl_clip_scale"] = clip
+            self.writer.add_scalar("kfac/kl_clip_scale", clip, step)
         if fresh:
             record["step_s"] = mean["total"]
             record["images_per_s"] = self.images_per_step / mean["total"] if mean["total"] > 0 else None
@@ -152,6 +158,7 @@ class RunLog:
         self._metrics(record)
         if self.lines:
             speed = f", {record['step_s']:.3f} s/step, {record['images_per_s']:.0f} images/s" if fresh else ""
+            speed += f", KL clip x{clip:.3g}" if clip is not None and clip < 1 else ""
             logger.info(
                 "%s: step %d/%d, loss %.4f, acc %.4f, lr %.3g%s", self.cfg.name, step, self.total, loss, acc, lr, speed
             )

@@ -427,4 +427,5 @@ class Trainer:
         """Log the training metrics summed over ranks since the last log (no collective: the step made them)."""
         if total[2] > 0:
             lr = self.optimizer.param_groups[0]["lr"]
-            self.report.train_scalars(self.step, float(total[0] / total[2]), float(total[1] / total[2]), lr)
+            clip = self.kfac.mean_clip_scale() if self.kfac else None
+            self.report.train_scalars(self.step, float(total[0] / total[2]), float(total[1] / total[2]), lr, clip)

@@ -136,6 +136,32 @@ def test_kl_clipping_needs_the_learning_rate(monkeypatch: pytest.MonkeyPatch) ->
     pre.remove()
 
 
+@pytest.mark.parametrize("kl_clip", [1e-6, 1e6, 0.0])
+def test_the_mean_kl_clip_scale_is_what_scaled_the_updates(monkeypatch: pytest.MonkeyPatch, kl_clip: float) -> None:
+    # A clipped update is u = s v with s = sqrt(c / (lr^2 v.g)), so s = c / (lr^2 u.g): from what the step left.
+    _one_process(monkeypatch)
+    model, lr = make_model(), 0.1
+    pre = kfacflow.KFACPreconditioner(model, "d", lr=lr, kl_clip=kl_clip, damping=0.01)
+    gen = torch.Generator().manual_seed(3)
+    scales = []
+    for _ in range(2):
+        x, y = torch.randn(4, 1, 8, 8, generator=gen, dtype=torch.float64), torch.tensor([0, 1, 2, 0])
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        raw = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+        pre.step()
+        u_dot_g = sum(float((p.grad * g).sum()) for p, g in zip(model.parameters(), raw, strict=True))  # type: ignore[operator]
+        scales.append(min(1.0, kl_clip / (lr * lr * u_dot_g)))
+    measured = pre.mean_clip_scale()
+    if kl_clip == 0:
+        assert measured is None
+    else:
+        assert measured == pytest.approx(sum(scales) / 2, rel=1e-9)
+        assert (measured < 0.1) if kl_clip < 1 else measured == 1.0
+        assert pre.mean_clip_scale() is None  # read: the next call covers the steps after it
+    pre.remove()
+
+
 def _one_process(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)

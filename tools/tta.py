@@ -11,7 +11,9 @@ accuracy (ties: fewer training seconds) is then trained with the other seeds. Ev
 evaluating every ``--eval-every`` steps; each evaluation records the training seconds so far
 (``seconds`` in the run's history: wall time of the training loop, evaluations and checkpoints
 left out, the same clock for every optimizer). A run whose ``summary.json`` is already in ``--out``
-is read, not trained again, so an interrupted sweep resumes where it stopped.
+is read, not trained again, so an interrupted sweep resumes where it stopped. A point whose run
+diverges (the updates overflow: ``run.py`` exits 3) is reported in ``tta.json``'s ``diverged`` and
+never chosen; a chosen point diverging on another seed ends the sweep.
 
 ``--stop-at`` ends each run at its first evaluation at or above the highest target
 (``train.stop_at_accuracy``): the learning-rate schedule is still the whole budget's, so the curve
@@ -92,9 +94,19 @@ def reached(history: list[dict[str, Any]], target: float) -> dict[str, float] | 
     return None
 
 
+DIVERGED = 3
+"""``run.py``'s exit code when training cannot go on (:class:`kfacflow.TrainingError`: the updates overflowed)."""
+
+
 def train(recipe: str, overrides: list[str], folder: Path) -> dict[str, Any]:
-    """Run ``run.py`` once (or read the summary a previous sweep left in ``folder``); return its summary."""
-    summary_file = folder / "summary.json"
+    """Run ``run.py`` once (or read the summary a previous sweep left in ``folder``); return its summary.
+
+    A run that diverged returns ``{"diverged": its last line}`` (and leaves it in ``folder/diverged.txt``,
+    so that a rerun does not train it again); any other failure ends the sweep.
+    """
+    summary_file, diverged = folder / "summary.json", folder / "diverged.txt"
+    if diverged.is_file():
+        return {"diverged": diverged.read_text().strip()}
     if not summary_file.is_file():
         folder.parent.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, str(ROOT / "run.py"), recipe, *overrides, f"out_dir={folder.parent}"]
@@ -102,6 +114,10 @@ def train(recipe: str, overrides: list[str], folder: Path) -> dict[str, Any]:
         t0 = time.perf_counter()
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         wall = time.perf_counter() - t0
+        if done.returncode == DIVERGED:
+            folder.mkdir(parents=True, exist_ok=True)
+            diverged.write_text(done.stderr.strip().splitlines()[-1] + "\n")
+            return train(recipe, overrides, folder)
         if done.returncode != 0:
             raise SystemExit(f"run failed ({done.returncode}):\n{done.stderr[-3000:]}")
         run_dir = Path(done.stdout.strip().splitlines()[-1])
@@ -272,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         common.append(f"train.stop_at_accuracy={stop_at}")
     tail = f"_to{stop_at:g}" if stop_at else ""  # a stopped run is no full run to reuse, nor the other way
     everything: list[dict[str, Any]] = []
+    diverged: list[dict[str, Any]] = []
     chosen: dict[str, list[dict[str, Any]]] = {}
     for name in names:
         print(f"{name}: sweep {grids[name]} (seed {seeds[0]})", flush=True)
@@ -279,14 +296,24 @@ def main(argv: list[str] | None = None) -> int:
         for point in parse_grid(grids[name]):
             folder = args.out / "runs" / name / point_name(point) / f"seed{seeds[0]}{tail}"
             overrides = [*OPTIMIZERS[name], *common, *point, f"train.seed={seeds[0]}"]
-            sweep.append(record(name, point, seeds[0], train(args.recipe, overrides, folder)))
+            summary = train(args.recipe, overrides, folder)
+            if "diverged" in summary:  # a point too aggressive to train: reported, never chosen
+                diverged.append({"optimizer": name, "point": point, "seed": seeds[0], **summary})
+                print(f"  {' '.join(point)}: diverged: {summary['diverged']}", flush=True)
+                continue
+            sweep.append(record(name, point, seeds[0], summary))
             print(f"  {' '.join(point)}: val acc {sweep[-1]['val_acc']:.4f}", flush=True)
+        if not sweep:
+            raise SystemExit(f"{name}: every point of its sweep diverged ({grids[name]})")
         top = best(sweep, stop_at)
         chosen[name] = [top]
         for seed in seeds[1:]:
             folder = args.out / "runs" / name / point_name(top["point"]) / f"seed{seed}{tail}"
             overrides = [*OPTIMIZERS[name], *common, *top["point"], f"train.seed={seed}"]
-            chosen[name].append(record(name, top["point"], seed, train(args.recipe, overrides, folder)))
+            summary = train(args.recipe, overrides, folder)
+            if "diverged" in summary:
+                raise SystemExit(f"{name} {' '.join(top['point'])} seed {seed} diverged: {summary['diverged']}")
+            chosen[name].append(record(name, top["point"], seed, summary))
         everything += sweep + chosen[name][1:]
     rows = summarize(chosen, targets)
     table = markdown(rows, targets)
@@ -302,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         "grids": {n: grids[n] for n in names},
         "summary": rows,
         "runs": everything,
+        "diverged": diverged,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tta.json").write_text(json.dumps(result, indent=1))

@@ -63,6 +63,8 @@ class KFACPrecondition:
     def __init__(self, kl_clip: float) -> None:
         self.kl_clip = kl_clip
         self.clips = kl_clip > 0
+        self.scale: Tensor | None = None
+        """The last step's clipping factor (1 where the step was not clipped), on the device; None before one."""
 
     def __call__(self, grads: list[Tensor], inverses: list[tuple[Inverse, Inverse]], lr: float) -> list[Tensor]:
         """Return the preconditioned and clipped gradients, one per layer.
@@ -91,8 +93,9 @@ class KFACPrecondition:
     def finish(self, updates: list[Tensor], contributions: list[Tensor], lr: float) -> list[Tensor]:
         """Scale every layer's update by the KL clipping factor of them all (from each layer's ``v.g``)."""
         if not self.clips or not contributions:
+            self.scale = None
             return updates
-        scale = clip_scale(contributions, lr, self.kl_clip)
+        scale = self.scale = clip_scale(contributions, lr, self.kl_clip)
         with torch.no_grad():  # x * 1 == x exactly: an unclipped step keeps its bits
             return [u * scale.to(u.dtype) for u in updates]
 

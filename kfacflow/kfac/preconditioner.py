@@ -124,6 +124,8 @@ class Preconditioner:
         self.held: set[str] | None = None
         """With ``kfac.factor_sync=owner``: the factors whose running averages this rank keeps."""
         self.finite = FiniteFlags()
+        self._clip_sum: tuple[Tensor, int] | None = None
+        """The sum of the steps' KL clipping factors since :meth:`mean_clip_scale` last read it, and their count."""
         self._plan()
         describe(self.layers, stages, self.slots)
 
@@ -429,8 +431,23 @@ class Preconditioner:
         live = [(layer, g) for layer in self.layers if (g := layer.grad_matrix()) is not None]
         updates, contributions = self.stages.broadcast.precondition(self, live, sent, self.stages.pipeline.early)
         final = self.stages.precondition.finish([updates[layer.name] for layer, _ in live], contributions, lr)
+        scale = getattr(self.stages.precondition, "scale", None)
+        if scale is not None:  # added on the device: no synchronisation a step
+            total, n = self._clip_sum or (0.0, 0)
+            self._clip_sum = (scale + total, n + 1)
         for (layer, _), update in zip(live, final, strict=True):
             layer.set_grad(update)
+
+    def mean_clip_scale(self) -> float | None:
+        """The mean factor KL clipping scaled the updates by over the steps since the last call (1: none was clipped).
+
+        None where no step was clipped by a stage that keeps its factor (``kfac.kl_clip=0``). Reads the device.
+        """
+        if self._clip_sum is None:
+            return None
+        total, n = self._clip_sum
+        self._clip_sum = None
+        return float(total) / n
 
     # --- checkpoints ------------------------------------------------------------------------------
 

@@ -298,7 +298,9 @@ class PreconditionStage(Protocol):
     def finish(self, updates: list[Tensor], contributions: list[Tensor], lr: float) -> list[Tensor]:
         """Return the updates of every layer after what depends on all of them (e.g. KL clipping).
 
-        ``contributions``: each layer's, where :attr:`clips`; else empty.
+        ``contributions``: each layer's, where :attr:`clips`; else empty. A stage that scales every update
+        by one factor may keep it in a ``scale`` attribute (a 0-d tensor), which the run log shows as
+        ``kfac/kl_clip_scale`` (:class:`~kfacflow.kfac.precondition.KFACPrecondition` does).
         """
         ...
 
