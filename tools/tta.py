@@ -115,9 +115,10 @@ def train(recipe: str, overrides: list[str], folder: Path) -> dict[str, Any]:
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         wall = time.perf_counter() - t0
         if done.returncode == DIVERGED:
+            line = done.stderr.strip().splitlines()[-1]
             folder.mkdir(parents=True, exist_ok=True)
-            diverged.write_text(done.stderr.strip().splitlines()[-1] + "\n")
-            return train(recipe, overrides, folder)
+            diverged.write_text(line + "\n")
+            return {"diverged": line}
         if done.returncode != 0:
             raise SystemExit(f"run failed ({done.returncode}):\n{done.stderr[-3000:]}")
         run_dir = Path(done.stdout.strip().splitlines()[-1])
