@@ -151,8 +151,12 @@ def best(runs: list[dict[str, Any]], stop_at: float = 0.0) -> dict[str, Any]:
     With ``stop_at`` (the runs stopped there): the first to reach it, then the best accuracy.
     """
     if stop_at:
-        hits = {id(r): reached(r["history"], stop_at) for r in runs}
-        return min(runs, key=lambda r: (h["seconds"] if (h := hits[id(r)]) else float("inf"), -r["val_acc"]))
+
+        def first(run: dict[str, Any]) -> float:
+            hit = reached(run["history"], stop_at)
+            return hit["seconds"] if hit else float("inf")
+
+        return min(runs, key=lambda r: (first(r), -r["val_acc"]))
     return max(runs, key=lambda r: (r["val_acc"], -r["train_seconds"]))
 
 
