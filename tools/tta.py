@@ -15,6 +15,10 @@ is read, not trained again, so an interrupted sweep resumes where it stopped. A 
 diverges (the updates overflow: ``run.py`` exits 3) is reported in ``tta.json``'s ``diverged`` and
 never chosen; a chosen point diverging on another seed ends the sweep.
 
+The budget is a setting like the rate: a grid may sweep ``train.steps`` (it wins over ``--epochs``, and the
+cosine schedule spans it), e.g. ``--grid "sgd=optim.lr:0.05;train.steps:1170,1404"``, so that each
+optimizer is compared at its own best budget; the picture's legend names a chosen point's budget.
+
 ``--stop-at`` ends each run at its first evaluation at or above the highest target
 (``train.stop_at_accuracy``): the learning-rate schedule is still the whole budget's, so the curve
 up to there is the full run's, and the rest of the budget is not spent. The point of a sweep is
@@ -217,6 +221,15 @@ def markdown(rows: list[dict[str, Any]], targets: list[float]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _budget(run: dict[str, Any]) -> str:
+    """``, budget 2.5 epochs`` where the run's point sets ``train.steps`` (else the title's epochs hold)."""
+    steps = [int(item.split("=", 1)[1]) for item in run["point"] if item.startswith("train.steps=")]
+    first = run["history"][0]
+    if not steps or not steps[-1] or not first["step"]:
+        return ""
+    return f", budget {steps[-1] * first['epoch'] / first['step']:.3g} epochs"
+
+
 def _seeds(n: int) -> str:
     return f"{n} seed" if n == 1 else f"{n} seeds"
 
@@ -238,7 +251,7 @@ def picture(chosen: dict[str, list[dict[str, Any]]], targets: list[float], path:
         for ax, unit in zip(axes, ("seconds", "epoch"), strict=True):
             x = [statistics.fmean(r["history"][i][unit] for r in runs) for i in range(n)]
             y = [statistics.fmean(r["history"][i]["val_acc"] for r in runs) for i in range(n)]
-            ax.plot(x, y, marker=".", label=f"{name} ({_seeds(len(runs))})")
+            ax.plot(x, y, marker=".", label=f"{name} ({_seeds(len(runs))}{_budget(runs[0])})")
     low = min(min(h["val_acc"] for h in r["history"]) for runs in chosen.values() for r in runs)
     for ax, unit in zip(axes, ("training seconds", "epochs"), strict=True):
         for target in targets:
@@ -339,7 +352,12 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tta.json").write_text(json.dumps(result, indent=1))
     (args.out / "tta.md").write_text(f"`{command}`\n\n{table}")
-    picture(chosen, targets, args.out / "tta.png", f"{Path(args.recipe).stem}, {args.epochs} epochs, mean over seeds")
+    picture(
+        chosen,
+        targets,
+        args.out / "tta.png",
+        f"{Path(args.recipe).stem}, {args.epochs} epochs or the legend's budget, mean over seeds",
+    )
     print(table, end="")
     return 0
 
