@@ -352,11 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tta.json").write_text(json.dumps(result, indent=1))
     (args.out / "tta.md").write_text(f"`{command}`\n\n{table}")
+    swept = " or the legend's budget" if any(_budget(runs[0]) for runs in chosen.values()) else ""
     picture(
-        chosen,
-        targets,
-        args.out / "tta.png",
-        f"{Path(args.recipe).stem}, {args.epochs} epochs or the legend's budget, mean over seeds",
+        chosen, targets, args.out / "tta.png", f"{Path(args.recipe).stem}, {args.epochs} epochs{swept}, mean over seeds"
     )
     print(table, end="")
     return 0
