@@ -248,10 +248,11 @@ def picture(chosen: dict[str, list[dict[str, Any]]], targets: list[float], path:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for name, runs in chosen.items():
         n = min(len(r["history"]) for r in runs)  # the same evaluations in every seed's run
+        label = f"{name} ({_seeds(len(runs))}{_budget(runs[0])})"
         for ax, unit in zip(axes, ("seconds", "epoch"), strict=True):
             x = [statistics.fmean(r["history"][i][unit] for r in runs) for i in range(n)]
             y = [statistics.fmean(r["history"][i]["val_acc"] for r in runs) for i in range(n)]
-            ax.plot(x, y, marker=".", label=f"{name} ({_seeds(len(runs))}{_budget(runs[0])})")
+            ax.plot(x, y, marker=".", label=label)
     low = min(min(h["val_acc"] for h in r["history"]) for runs in chosen.values() for r in runs)
     for ax, unit in zip(axes, ("training seconds", "epochs"), strict=True):
         for target in targets:
