@@ -318,6 +318,11 @@ class KFACConfig:
     """Performance-model profile (tools/fit_perf_models.py); empty calibrates at start when needed."""
     profile_steps: int = field(default=5, metadata=at_least(1))
     """Factor-update steps the ``optimal`` fusion measures (after one warm-up step) before fixing its plan."""
+    placement_steps: int = field(default=0, metadata=at_least(0, "0: by the estimates alone"))
+    """Steps whose preconditioning is timed layer by layer (after one warm-up step) before whole layers are placed
+    again by the measured times, once, where the next inverse period starts: for a placement that weighs layers by
+    their work (``kfac.placement=layer`` where updates are broadcast and ``inv_update_freq`` is over 1); 0: by
+    the estimates from their shapes alone (within about 2x of traced times)."""
     skip: list[str] = field(default_factory=list)
     """fnmatch patterns of module names K-FAC leaves alone (e.g. ``fc``, ``layer4.*``)."""
     factor_dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = "auto"

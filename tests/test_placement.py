@@ -246,3 +246,43 @@ def test_update_buckets_fuse_only_where_one_allreduce_beats_the_broadcasts() -> 
     assert update_buckets(order, elements, owned, three, 3, gather=True) == [[0, 1, 2, 4]]
     assert gathers([0, 1, 2, 4], elements, owned, three, 3)
     assert not gathers([0, 1, 2, 4], elements, owners, models((1.0, 1e-3), (0.0, 0.0)), 2)  # never at P = 2
+
+
+def test_measured_preconditioning_replaces_the_estimates_and_moves_layers() -> None:
+    from kfacflow.kfac.inverse import DenseInverse
+    from kfacflow.kfac.plan import Choice, EngineCaps, make_plan
+    from kfacflow.registry import PLACEMENTS
+
+    prof = profile(0.0)
+    work = layer_work([10, 7, 8, 9], prof, None, 10, seconds=[None, 0.05])
+    # Measured seconds stand for the preconditioning they measured; the inversions stay the profile's.
+    assert work.precondition == pytest.approx([precondition_cost(10, 7, prof, dense=True), 0.05])
+    assert work.invert == pytest.approx([1.0 + 0.343, 0.512 + 0.729])
+
+    layers = [(10, 7, 70), (8, 9, 72), (2, 2, 4), (3, 3, 9)]
+    choice = Choice(PLACEMENTS.get("layer"), DenseInverse, update=True)
+
+    def owners(seconds: list[float | None] | None) -> list[int]:
+        return list(make_plan(layers, choice, 2, prof, EngineCaps(), inverse_every=10, seconds=seconds).owners[::2])
+
+    # Estimated (as above): (8, 9) -> r0, (10, 7) -> r1, (3, 3) -> r1, (2, 2) -> r0.
+    assert owners(None) == owners([None] * 4) == [1, 0, 0, 1]
+    # (2, 2) measured at 2.0 s a step, the costliest: it takes rank 0 with (3, 3) (2.054 s between
+    # inversions), (8, 9) and (10, 7) go to rank 1 (2.414 s); no move or swap shortens that period.
+    assert owners([None, None, 2.0, None]) == [1, 1, 0, 0]
+
+
+def test_layers_move_to_a_measured_placement_only_where_it_saves_a_share_of_the_period() -> None:
+    from kfacflow.kfac.measured import GAIN, worth_moving
+
+    work = LayerWork((0.2, 0.9, 0.5, 0.5), (8.0, 1.0, 0.0, 0.0), 10)
+    # As above: 21.3 s a period placed on a step's average, 20.0 s once balanced, 6 % less: moved.
+    assert worth_moving(work, [0, 1, 0, 1], [1, 1, 0, 0], 2) == (pytest.approx(21.3), pytest.approx(20.0), True)
+    # The same placement with the ranks' names swapped saves nothing: the layers stay where they are.
+    assert worth_moving(work, [0, 0, 1, 1], [1, 1, 0, 0], 2)[2] is False
+    assert worth_moving(work, [1, 1, 0, 0], [1, 1, 0, 0], 2)[2] is False
+    # Saving less than GAIN of the period: a third layer's 6 ms beside the second's 1 s instead of with the
+    # fourth's 2 ms beside the first's, 10.08 -> 10.06 s.
+    near = LayerWork((1.0, 1.0, 0.006, 0.002), (0.0, 0.0, 0.0, 0.0), 10)
+    old, new, taken = worth_moving(near, [0, 1, 0, 0], [0, 1, 1, 0], 2)
+    assert (old, new) == (pytest.approx(10.08), pytest.approx(10.06)) and new > old * (1 - GAIN) and not taken

@@ -9,6 +9,7 @@
     python tools/bench.py recipes/resnet18_synthetic.yaml --intervals 1/10 --cluster   # inverses every 10 steps
     python tools/bench.py recipes/resnet18_synthetic.yaml --ablation libraries --intervals 1/10 --cluster  # libraries
     python tools/bench.py recipes/resnet18_synthetic.yaml --ablation exchange --intervals 1/10 --cluster  # exchange
+    python tools/bench.py recipes/resnet18_synthetic.yaml --ablation measured --intervals 1/10 --cluster  # measured
 
 Each configuration runs ``--steps`` steps; the first ``--warmup`` (which must cover the optimal
 fusion's profiling) are discarded and the median of the rest is the step time. With
@@ -129,6 +130,10 @@ CONFIGS: dict[str, dict[str, list[str]]] = {
             "kfac.grad_sync=between",
         ],
         "kfac-pytorch mem-opt": [LOOP, "--library=kfac-pytorch", "--strategy=mem-opt", "--method=inverse"],
+    },
+    "measured": {  # whole layers placed by their estimated preconditioning, or again after timing it
+        "flow+rows": ["kfac.variant=flow", "kfac.precondition=rows"],
+        "+measured": ["kfac.variant=flow", "kfac.precondition=rows", "kfac.placement_steps=5"],
     },
     "fig10": {
         "Naive": ["kfac.variant=spd", "kfac.fusion=naive"],
@@ -292,6 +297,7 @@ def table(results: dict[str, dict[str, Any]], ablation: str) -> str:
         "rare": ("flow+rows", None),
         "libraries": ("flow+rows", "loop flow+rows"),
         "exchange": ("flow+rows", None),
+        "measured": ("flow+rows", None),
     }[ablation]
     wide = max(12, *(len(n) for n in names))
     head = f"{'config':<{wide}} {'s/step':>8} {'inside':>8} {'outside':>8} {'gap':>6} "

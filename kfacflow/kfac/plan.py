@@ -144,6 +144,8 @@ class StepPlan:
     grad_owners: tuple[int, ...] | None = None
     provisional: bool = False
     """Made before the layers in use were known, with routes to owners to follow from them: make it again then."""
+    work: LayerWork | None = None
+    """What owning each layer costs, where whole layers were placed by it (at intervals over 1)."""
 
 
 def make_plan(
@@ -157,6 +159,7 @@ def make_plan(
     rows: Sequence[int] | None = None,
     inverse_every: int = 1,
     staggered: bool = False,
+    seconds: Sequence[float | None] | None = None,
 ) -> StepPlan:
     """Plan a step.
 
@@ -176,6 +179,8 @@ def make_plan(
             over 1, whole layers are placed by their work (:func:`~kfacflow.kfac.update_plan.layer_work`:
             preconditioning, from rows where a layer goes by them, and inverting, each on the steps it lands on).
         staggered: Whether inversions are spread over their period (``kfac.inverse_schedule=staggered``).
+        seconds: Each layer's preconditioning seconds a step as measured (``None``, or a layer's ``None``:
+            estimated from its shape), for the placement of whole layers by their work.
     """
     dims = [d for a, g, _ in layers for d in (a, g)]
     if choice.update:  # what travels is the layer's update, once for both of its factors
@@ -185,7 +190,7 @@ def make_plan(
     cost: list[float] | None = None
     work: LayerWork | None = None
     if choice.update and profile is not None and inverse_every > 1:  # at 1/1 Algorithm 1 (inversions, then sends)
-        work = layer_work(dims, profile, rows, inverse_every, staggered)
+        work = layer_work(dims, profile, rows, inverse_every, staggered, seconds)
         cost = list(work.precondition)
     if work is not None and getattr(choice.placement, "weighs_layers", False):
         owners = choice.placement(dims, sizes, world, profile, work)  # type: ignore[call-arg]
@@ -217,6 +222,7 @@ def make_plan(
         factor_owners=tuple(owners) if routed else None,
         grad_owners=_grad_owners(layers, owners, choice, world, profile, caps) if settled else None,
         provisional=not settled and (choice.factor_to_owner or choice.grad_to_owner),
+        work=work,
     )
 
 

@@ -20,8 +20,9 @@ from kfacflow.kfac.finite import FiniteFlags, blend
 from kfacflow.kfac.follow import follow_model
 from kfacflow.kfac.inverse import Inverse, invert_all
 from kfacflow.kfac.layers import KFACLayer, find_layers
+from kfacflow.kfac.measured import LayerTimes, worth_moving
 from kfacflow.kfac.packing import unpack
-from kfacflow.kfac.plan import EngineCaps, make_plan
+from kfacflow.kfac.plan import EngineCaps, StepPlan, make_plan
 from kfacflow.kfac.routes import describe, place
 from kfacflow.kfac.rows import RowCapture
 from kfacflow.kfac.schedule import Schedule
@@ -126,6 +127,10 @@ class Preconditioner:
         self.finite = FiniteFlags()
         self._clip_sum: tuple[Tensor, int] | None = None
         """The sum of the steps' KL clipping factors since :meth:`mean_clip_scale` last read it, and their count."""
+        self.seconds: dict[str, float] = {}
+        """Each layer's preconditioning seconds a step as measured (``kfac.placement_steps``), by name: what the
+        placement weighs the layers by instead of its estimates."""
+        self._measure()
         self._plan()
         describe(self.layers, stages, self.slots)
 
@@ -140,7 +145,50 @@ class Preconditioner:
         self.stages = stages
         self.rows.pays = _rows_pay(stages)
         self.profile = profile or self.profile
+        self._measure()  # other stages precondition at other costs
         self._restart()
+
+    def _measure(self) -> None:
+        """Time the layers' preconditioning anew (``kfac.placement_steps``); until then place by the estimates."""
+        self.seconds = {}
+        self._measured: dict[str, float] | None = None
+        """The means :attr:`layer_times` took, until the next period starts and they are placed by."""
+        self.layer_times = LayerTimes(self.cfg.placement_steps, self.backend.device)
+
+    def place_measured(self, seconds: dict[str, float]) -> bool:
+        """Place whole layers again by each one's preconditioning ``seconds`` a step (by name; others: estimated).
+
+        Between steps, on every rank with the same ``seconds``; collective where the placement changes and
+        owners alone keep their running averages. Call it where an inverse period starts: the first step
+        of the period inverts every factor on its new owner (with a staggered schedule, each rank inverts
+        what it takes on at once). The layers move only where the times say a period gets shorter by
+        :data:`~kfacflow.kfac.measured.GAIN` or more. Returns whether any layer changed owner.
+        """
+        kept, self.seconds = self.seconds, dict(seconds)
+        plan = self._new_plan(self._ready)
+        before, after = self.plan.owners, plan.owners
+        moved = sum(before[j : j + 2] != after[j : j + 2] for j in range(0, len(after), 2))
+        if plan.work is not None:  # whole layers, both factors on one owner
+            old, new, taken = worth_moving(plan.work, before[::2], after[::2], self.backend.world_size)
+            logger.info(
+                "K-FAC: an inverse period by the layers' measured preconditioning: %.3f s as placed, %.3f s "
+                "with %d of %d layers moved: %s before step %d",
+                old,
+                new,
+                moved,
+                len(after) // 2,
+                "moved" if taken else "kept as placed",
+                self.steps,
+            )
+            if not taken:
+                self.seconds = kept  # nor may a later plan (new arrival times) move them
+                return False
+        if not moved:  # placed by something other than the layers' work
+            return False
+        self.running = self.every_average()
+        self._local_sums(set(self.running))
+        self._plan(self._ready, catch_up=self.schedule.staggered > 0 or not self.schedule.inverts())
+        return True
 
     def _restart(self) -> None:
         """A new communicator (the fusion's groups start again) and a new plan."""
@@ -173,30 +221,38 @@ class Preconditioner:
             return []
         return [p for layer in self.layers if self.rows.chosen(layer.name) for p in layer.params]
 
-    def _plan(self, ready: dict[str, float] | None = None) -> None:
+    def _plan(self, ready: dict[str, float] | None = None, catch_up: bool = True) -> None:
         """Make a slot per factor of :attr:`layers` and the step's :class:`~kfacflow.kfac.plan.StepPlan`.
 
         Again only when an input of the plan changes: the layers in use (known after the first
-        step), the stages, or when the factors are expected (``ready``, for a pipeline that
-        inverts them as they arrive).
+        step), the stages, when the factors are expected (``ready``, for a pipeline that
+        inverts them as they arrive), or the layers' measured costs (:meth:`place_measured`).
+        ``catch_up``: invert at once what the new plan gives this rank (:meth:`_invert_given`).
         """
         self.slots = [FactorSlot(layer, side) for layer in self.layers for side in ("A", "G")]  # type: ignore[arg-type]
         self._trained = trained(self.layers)
         self._ready = ready
-        settled = self.capture.uses is not None
-        layout = [(layer.a_dim, layer.g_dim, sum(p.numel() for p in layer.params)) for layer in self.layers]
-        times = [ready.get(slot.key, 0.0) for slot in self.slots] if ready is not None else None
-        world, caps, choice = self.backend.world_size, EngineCaps.of(self.backend), choice_of(self.stages)
-        rows = [self.rows.planned.get(layer.name, 0) * world for layer in self.layers] if self.rows.planned else None
-        every, staggered = self.cfg.inv_update_freq, self.schedule.staggered > 0
-        self.plan = make_plan(layout, choice, world, self.profile, caps, settled, times, rows, every, staggered)
+        self.plan = self._new_plan(ready)
         placed = place(self.plan, self.layers, self.slots, self.backend, self.profile)
         self._order, self.layer_order, self.grad_owned = placed.order, placed.layer_order, placed.grad_owned
-        self.schedule.plan(self.keys, self.plan.dims, self.plan.owners, world)
+        self.schedule.plan(self.keys, self.plan.dims, self.plan.owners, self.backend.world_size)
         self.update_buckets, self.gathered = placed.update_buckets, placed.gathered
         self.comm.routing, self.held = placed.routing, placed.held
         self._keep_held()
-        self._invert_given()
+        if catch_up:
+            self._invert_given()
+
+    def _new_plan(self, ready: dict[str, float] | None) -> StepPlan:
+        """The :class:`~kfacflow.kfac.plan.StepPlan` of :attr:`layers` as things stand (changes nothing)."""
+        settled = self.capture.uses is not None
+        layout = [(layer.a_dim, layer.g_dim, sum(p.numel() for p in layer.params)) for layer in self.layers]
+        keys = [f"{layer.name}/{side}" for layer in self.layers for side in ("A", "G")]
+        times = [ready.get(key, 0.0) for key in keys] if ready is not None else None
+        world, caps, choice = self.backend.world_size, EngineCaps.of(self.backend), choice_of(self.stages)
+        rows = [self.rows.planned.get(layer.name, 0) * world for layer in self.layers] if self.rows.planned else None
+        every, staggered = self.cfg.inv_update_freq, self.schedule.staggered > 0
+        seconds = [self.seconds.get(layer.name) for layer in self.layers] if self.seconds else None
+        return make_plan(layout, choice, world, self.profile, caps, settled, times, rows, every, staggered, seconds)
 
     def _keep_held(self) -> None:
         if self.held is not None:  # another rank keeps the rest
@@ -244,6 +300,7 @@ class Preconditioner:
         """If the trained layers changed since the plan, plan again and refresh all now (:func:`.follow_model`)."""
         if trained(self.layers) != self._trained:
             self.layers, changes = follow_model(self, self._trained)
+            self._measure()
             message = "K-FAC follows the model: %s; planned again, every factor and inverse refreshed at step %d"
             logger.info(message, changes, self.steps)
             self._restart()
@@ -303,6 +360,11 @@ class Preconditioner:
         self.rows.reset()
         self.schedule.advance(refreshed)
         self.capture.active = self.schedule.factors()
+        measured = self.layer_times.end_step(self.backend, [layer.name for layer in self.layers])
+        self._measured = measured or self._measured
+        if self._measured is not None and self.schedule.steps % self.cfg.inv_update_freq == 0:
+            self.place_measured(self._measured)
+            self._measured = None
 
     def _arrivals(self, gradients: Gradients | None) -> Iterator[dict[str, Tensor]]:
         """Hand over the factors still held; yield each reduction's averages as it completes, in launch order.
@@ -415,10 +477,13 @@ class Preconditioner:
     def precondition_layer(self, layer: KFACLayer, grad: Tensor) -> Tensor:
         """Return one layer's update from its gradient matrix and its two inverses (timed per layer)."""
         t0 = self.timer.now()
+        start = self.layer_times.start() if self.layer_times.measuring else None
         a_inv, g_inv = self.inverses[f"{layer.name}/A"], self.inverses[f"{layer.name}/G"]
         rows = self.rows.get(layer.name)
         stage = self.stages.precondition
         update = stage.layer(grad, a_inv, g_inv) if rows is None else stage.layer(grad, a_inv, g_inv, rows)
+        if start is not None:
+            self.layer_times.note(layer.name, start)
         self.timer.record(layer.name, "precondition", t0, self.timer.now())
         return update
 

@@ -84,12 +84,18 @@ class LayerWork:
 
 
 def layer_work(
-    dims: Sequence[int], profile: Profile, rows: Sequence[int] | None, inverse_every: int, staggered: bool = False
+    dims: Sequence[int],
+    profile: Profile,
+    rows: Sequence[int] | None,
+    inverse_every: int,
+    staggered: bool = False,
+    seconds: Sequence[float | None] | None = None,
 ) -> LayerWork:
     """Each layer's preconditioning seconds a step and inverting seconds a period, on its owner.
 
     At 10/100 preconditioning is what to share out, and a layer that goes by its rows weighs what
-    its rows cost.
+    its rows cost. Measured seconds (``kfac.placement_steps``) replace the estimates of preconditioning;
+    inversions stay the profile's (fitted to inversions timed on this job).
 
     Args:
         dims: Sides of the factors, A1, G1, A2, G2, ...
@@ -97,9 +103,12 @@ def layer_work(
         rows: Rows a step of each layer that goes by rows (0: by its gradient; ``None``: none does).
         inverse_every: Steps between inversions.
         staggered: Whether the inversions are spread over the period (``kfac.inverse_schedule=staggered``).
+        seconds: Each layer's measured preconditioning seconds a step (``None``: estimate it).
     """
     n = len(dims) // 2
     pre = [precondition_cost(dims[2 * j], dims[2 * j + 1], profile, rows[j] if rows else 0, True) for j in range(n)]
+    if seconds is not None:
+        pre = [estimate if measured is None else measured for estimate, measured in zip(pre, seconds, strict=True)]
     inverts = [profile.inverse(dims[2 * j]) + profile.inverse(dims[2 * j + 1]) for j in range(n)]
     return LayerWork(tuple(pre), tuple(inverts), inverse_every, staggered)
 
