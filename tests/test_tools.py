@@ -16,6 +16,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 import bench  # noqa: E402
 import bench_gram  # noqa: E402
 import bench_loop  # noqa: E402
+import placement_floor  # noqa: E402
 import simulate  # noqa: E402
 
 from kfacflow import build, simulation  # noqa: E402
@@ -748,3 +749,40 @@ def test_periods_are_the_means_of_whole_inverse_periods(tmp_path: Path, capsys: 
     assert capsys.readouterr().out.strip() == f"{run}  periods from step 11: 1.900"
     assert periods.main(["--every", "10", str(tmp_path)]) == 2  # not a run folder: one line, exit 2
     assert "has no timings.jsonl" in capsys.readouterr().err
+
+
+def _layers_json(path: Path, rows: list[dict[str, object]]) -> Path:
+    path.write_text(json.dumps({"layers": rows}))
+    return path
+
+
+@pytest.mark.parametrize("exhaustive", [True, False])
+def test_placement_floor_finds_the_best_whole_layers_by_hand(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, exhaustive: bool
+) -> None:
+    # Preconditioning 0.1, 0.1 (on another rank than 0 when traced) and 0.2 s a step; inversions 1.0 + 0.0,
+    # 0.5 + 0.5 and none. At 1/10, shared perfectly: 9 x 0.2 + (0.4 + 2.0) / 2 = 3.0 s. Whole layers: one
+    # of the first two beside the third (9 x 0.3 + 1.3) or both against it (9 x 0.2 + 2.2): 4.0 s.
+    inverting = _layers_json(
+        tmp_path / "inv.json",
+        [
+            {"name": "a", "t_inverse_a": 1.0, "t_inverse_g": 0.0},
+            {"name": "b", "t_inverse_a": 0.5, "t_inverse_g": 0.5},
+            {"name": "c", "t_inverse_a": None, "t_inverse_g": None},
+        ],
+    )
+    between = _layers_json(
+        tmp_path / "between.json",
+        [
+            {"name": "a", "t_precondition": 0.1, "t_precondition_elsewhere": None},
+            {"name": "b", "t_precondition": None, "t_precondition_elsewhere": 0.1},
+            {"name": "c", "t_precondition": 0.2, "t_precondition_elsewhere": None},
+        ],
+    )
+    if not exhaustive:  # the search of moves and swaps from random starts finds it too
+        monkeypatch.setattr(placement_floor, "EXHAUSTIVE", 1)
+    assert placement_floor.main([str(inverting), str(between), "--every", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "perfectly shared 3.000 s, by the best whole layers 4.000 s: +0.1000 s a step" in out, out
+    assert placement_floor.main([str(tmp_path / "missing.json"), str(between)]) == 2
+    assert "no trace at" in capsys.readouterr().err

@@ -95,7 +95,7 @@ def layer_work(
 
     At 10/100 preconditioning is what to share out, and a layer that goes by its rows weighs what
     its rows cost. Measured seconds (``kfac.placement_steps``) replace the estimates of preconditioning;
-    inversions stay the profile's (fitted to inversions timed on this job).
+    inversions stay the profile's (fitted to timed inversions).
 
     Args:
         dims: Sides of the factors, A1, G1, A2, G2, ...

@@ -19,3 +19,7 @@ R18="recipes/resnet18_synthetic.yaml"; P18=docs/results/resnet18_2x1gbit/profile
 R50="recipes/resnet50_spd.yaml data.image_size=32"; P50=docs/results/resnet50_2x1gbit/profile.yaml
 bench r18 $R18 $P18
 bench r50 "$R50" $P50 --no-outside-clock
+# Then, from the traced windows of docs/results/bound_windows_2x1gbit (no run needed):
+T=docs/results/bound_windows_2x1gbit/traces
+for m in r18 r50; do echo -n "$m: "; python tools/placement_floor.py $T/${m}_1_10_inv.json $T/${m}_1_10_between.json \
+  --every 10; done > docs/results/measured_placement_2x1gbit/floor.txt
