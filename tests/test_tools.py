@@ -23,9 +23,17 @@ from kfacflow import build, simulation  # noqa: E402
 from kfacflow.kfac.variants import Stages  # noqa: E402
 from kfacflow.recipe import load  # noqa: E402
 
+QUICK_PROFILE = (
+    "allreduce: {alpha: 5.0e-4, beta: 1.0e-9}\nbroadcast: {alpha: 2.0e-4, beta: 1.0e-9}\n"
+    "inverse: {kind: cubic, alpha: 1.0e-5, beta: 1.0e-9}\nmeta: {world_size: 2}\n"
+)
+"""A profile of this machine's order, so that a bench test need not measure one (tests/test_perf.py does)."""
+
 
 @pytest.mark.slow
 def test_bench_compares_variants_and_writes_table_json_and_figure(tmp_path: Path) -> None:
+    profile = tmp_path / "profile.yaml"
+    profile.write_text(QUICK_PROFILE)
     proc = run_tool(
         "bench.py",
         "recipes/quickstart.yaml",
@@ -37,6 +45,8 @@ def test_bench_compares_variants_and_writes_table_json_and_figure(tmp_path: Path
         "1",
         "--only",
         "D-KFAC,SPD-KFAC",
+        "--profile",
+        str(profile),
         "--out",
         str(tmp_path),
         "kfac.profile_steps=1",
@@ -55,6 +65,24 @@ def test_bench_compares_variants_and_writes_table_json_and_figure(tmp_path: Path
         assert math.isfinite(r["outside_step_s"]) and math.isfinite(r["inside_step_s"])
     assert "outside" in proc.stdout.splitlines()[-7] or "outside" in proc.stdout
     assert (tmp_path / "bench.png").stat().st_size > 10_000
+
+
+def test_bench_measures_a_profile_with_the_fit_tool_where_none_is_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[list[str]] = []
+
+    def fit(argv: list[str], cwd: Path) -> object:
+        calls.append(argv)
+        return type("Done", (), {"returncode": 0 if len(calls) == 1 else 3})()
+
+    monkeypatch.setattr(bench.subprocess, "run", fit)
+    args = bench.parse(["recipes/quickstart.yaml", "--nproc", "2"])
+    assert bench.measure_profile(args, tmp_path, None) == tmp_path / "profile.yaml"
+    assert calls[0][1:3] == ["tools/fit_perf_models.py", "--dims"] and calls[0][-2:] == ["--nproc", "2"]
+    assert calls[0][calls[0].index("--out") + 1] == str(tmp_path / "profile.yaml")
+    with pytest.raises(SystemExit, match="measuring the performance profile failed"):
+        bench.measure_profile(args, tmp_path, None)
 
 
 @pytest.mark.parametrize("ablation", list(bench.CONFIGS))
