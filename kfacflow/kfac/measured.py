@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kfacflow.comm.base import Backend
 from kfacflow.kfac.update_plan import LayerWork
+
+if TYPE_CHECKING:
+    from kfacflow.kfac.layers import KFACLayer
 
 GAIN = 0.01
 """The least share of an inverse period a new placement must save to be taken: moving layers costs one exchange
@@ -73,7 +76,7 @@ class LayerTimes:
         else:
             self._host.setdefault(name, []).append(time.perf_counter() - start)
 
-    def end_step(self, backend: Backend, names: Sequence[str]) -> dict[str, float] | None:
+    def end_step(self, backend: Backend, layers: Sequence[KFACLayer]) -> dict[str, float] | None:
         """End a step; after the last timed one, every layer's mean seconds over the ranks that timed it.
 
         Collective on that step (every rank ends the same steps). A layer no rank timed is left out.
@@ -81,6 +84,7 @@ class LayerTimes:
         self.seen += 1
         if self.seen != self.steps + 1 or self.steps == 0:
             return None
+        names = [layer.name for layer in layers]
         if self._events:
             torch.cuda.synchronize()
             for name, start, stop in self._events:

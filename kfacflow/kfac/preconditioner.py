@@ -246,8 +246,7 @@ class Preconditioner:
         """The :class:`~kfacflow.kfac.plan.StepPlan` of :attr:`layers` as things stand (changes nothing)."""
         settled = self.capture.uses is not None
         layout = [(layer.a_dim, layer.g_dim, sum(p.numel() for p in layer.params)) for layer in self.layers]
-        keys = [f"{layer.name}/{side}" for layer in self.layers for side in ("A", "G")]
-        times = [ready.get(key, 0.0) for key in keys] if ready is not None else None
+        times = [ready.get(key, 0.0) for key in self.keys] if ready is not None else None
         world, caps, choice = self.backend.world_size, EngineCaps.of(self.backend), choice_of(self.stages)
         rows = [self.rows.planned.get(layer.name, 0) * world for layer in self.layers] if self.rows.planned else None
         every, staggered = self.cfg.inv_update_freq, self.schedule.staggered > 0
@@ -360,7 +359,7 @@ class Preconditioner:
         self.rows.reset()
         self.schedule.advance(refreshed)
         self.capture.active = self.schedule.factors()
-        measured = self.layer_times.end_step(self.backend, [layer.name for layer in self.layers])
+        measured = self.layer_times.end_step(self.backend, self.layers)
         self._measured = measured or self._measured
         if self._measured is not None and self.schedule.steps % self.cfg.inv_update_freq == 0:
             self.place_measured(self._measured)
