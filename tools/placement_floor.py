@@ -8,7 +8,8 @@ between), each layer's inversions (both factors) and its preconditioning a step;
 steps then waits ``every - 1`` times on the rank with the most preconditioning and once on the rank with
 the most of both (:meth:`kfacflow.kfac.update_plan.LayerWork.period`), where the bound
 (``tools/simulate.py``) shares both perfectly. Prints the best placement of whole layers' period: over
-every assignment up to 22 layers, else the best that moves and swaps reach from 200 random starts.
+every assignment up to 22 layers, else the best that the placement's own moves and swaps
+(``kfacflow.kfac.placement._rebalance``) reach from 200 random starts.
 """
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ import sys
 from pathlib import Path
 
 import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kfacflow.kfac.placement import _rebalance  # noqa: E402
+from kfacflow.kfac.update_plan import LayerWork  # noqa: E402
 
 EXHAUSTIVE = 22
 """Layers up to which every assignment is tried (2^21 of them)."""
@@ -46,22 +53,12 @@ def best(pre: np.ndarray, inv: np.ndarray, every: int, starts: int = 200) -> flo
         masks = np.arange(2 ** (n - 1), dtype=np.int64)
         on1 = np.concatenate([(masks[:, None] >> np.arange(n - 1)) & 1, np.zeros((len(masks), 1), np.int64)], 1)
         return float(periods(pre, inv, on1.astype(np.float64), every).min())
+    work = LayerWork(tuple(pre.tolist()), tuple(inv.tolist()), every)
     rng, found = np.random.default_rng(0), np.inf
-    for _ in range(starts):
-        on1 = rng.integers(0, 2, n).astype(np.float64)
-        current, improved = float(periods(pre, inv, on1[None], every)[0]), True
-        while improved:
-            improved = False
-            changes = [[j] for j in range(n)] + [[j, k] for j in range(n) for k in range(j + 1, n) if on1[j] != on1[k]]
-            for change in changes:
-                on1[change] = 1 - on1[change]
-                value = float(periods(pre, inv, on1[None], every)[0])
-                if value < current - 1e-12:
-                    current, improved = value, True
-                else:
-                    on1[change] = 1 - on1[change]
-        found = min(found, current)
-    return found
+    for _ in range(starts):  # the placement's own moves and swaps, from random owners
+        owners = _rebalance(rng.integers(0, 2, n).tolist(), work, 2)
+        found = min(found, work.period(*work.loads(owners, 2)))
+    return float(found)
 
 
 def main(argv: list[str] | None = None) -> int:
