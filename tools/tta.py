@@ -10,7 +10,11 @@ accuracy (ties: fewer training seconds) is then trained with the other seeds. Ev
 ``python run.py RECIPE ...`` on the recipe's workers (``launch.nproc``) with the same epochs,
 evaluating every ``--eval-every`` steps; each evaluation records the training seconds so far
 (``seconds`` in the run's history: wall time of the training loop, evaluations and checkpoints
-left out, the same clock for every optimizer). A run whose ``summary.json`` is already in ``--out``
+left out, the same clock for every optimizer). The overrides after the recipe go to every run; one of
+a key tta sets itself is refused in one line naming the option to use instead (``train.steps``: ``--epochs``,
+``train.seed``: ``--seeds``, a key an optimizer or its grid sets: ``--grid``; ``tools/tta_args.py``), except
+``train.save`` and ``train.progress``, where the user's value wins. Every run is checked as ``run.py`` checks
+a recipe before the first starts. A run whose ``summary.json`` is already in ``--out``
 is read, not trained again, so an interrupted sweep resumes where it stopped. A point whose run
 diverges (the updates overflow: ``run.py`` exits 3) is reported in ``tta.json``'s ``diverged`` and
 never chosen; a chosen point diverging on another seed ends the sweep.
@@ -34,8 +38,6 @@ first-order optimizer that every seed of which reached it) and
 
 from __future__ import annotations
 
-import argparse
-import itertools
 import json
 import os
 import statistics
@@ -44,6 +46,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from tta_args import check_runs, parse, parse_grid, run_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,17 +76,6 @@ GRIDS = {
     **{name: "optim.lr:0.1;kfac.damping:0.03,0.1" for name in OPTIMIZERS if name not in FIRST_ORDER},
 }
 """The default sweeps: the rates each optimizer is usually run at on small image models (every K-FAC one alike)."""
-
-
-def parse_grid(text: str) -> list[list[str]]:
-    """``KEY:V1,V2;KEY2:V3`` -> every combination, as override lists (``["KEY=V1", "KEY2=V3"]``, ...)."""
-    axes = []
-    for part in filter(None, text.split(";")):
-        key, sep, values = part.partition(":")
-        if not sep or not key.strip() or not values.strip():
-            raise SystemExit(f"--grid {text!r}: each part is KEY:VALUE[,VALUE...], not {part!r}")
-        axes.append([f"{key.strip()}={v.strip()}" for v in values.split(",")])
-    return [list(point) for point in itertools.product(*axes)] if axes else [[]]
 
 
 def point_name(point: list[str]) -> str:
@@ -124,7 +117,8 @@ def train(recipe: str, overrides: list[str], folder: Path) -> dict[str, Any]:
             diverged.write_text(line + "\n")
             return {"diverged": line}
         if done.returncode != 0:
-            raise SystemExit(f"run failed ({done.returncode}):\n{done.stderr[-3000:]}")
+            print(done.stderr[-3000:].rstrip(), file=sys.stderr)  # the run's own account, then one line
+            raise SystemExit(f"error: the run above failed (exit {done.returncode}); its folder is in {folder.parent}")
         run_dir = Path(done.stdout.strip().splitlines()[-1])
         summary = json.loads((run_dir / "summary.json").read_text())
         summary["outside_wall_s"] = wall
@@ -270,41 +264,9 @@ def picture(chosen: dict[str, list[dict[str, Any]]], targets: list[float], path:
 
 def main(argv: list[str] | None = None) -> int:
     """Sweep, choose, repeat over seeds, summarize."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("recipe")
-    parser.add_argument("overrides", nargs="*", help="recipe overrides for every run (e.g. data.root=...)")
-    parser.add_argument("--optimizers", default="sgd,adamw,flow", help=f"of {', '.join(OPTIMIZERS)}")
-    parser.add_argument("--grid", action="append", default=[], metavar="NAME=KEY:V,V;KEY:V", help="a sweep")
-    parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--eval-every", type=int, default=100, help="steps between evaluations")
-    parser.add_argument("--targets", default="0.9")
-    parser.add_argument("--out", type=Path, default=Path("runs/tta"))
-    parser.add_argument("--stop-at", action="store_true", help="end each run once it reaches the highest target")
-    args = parser.parse_args(argv)
-    names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
-    unknown = [n for n in names if n not in OPTIMIZERS]
-    if unknown:
-        raise SystemExit(f"--optimizers: unknown {unknown}; choose from {', '.join(OPTIMIZERS)}")
-    grids = dict(GRIDS)
-    for text in args.grid:
-        name, sep, grid = text.partition("=")
-        if not sep or name not in OPTIMIZERS:
-            raise SystemExit(f"--grid {text!r}: NAME=KEY:V,V with NAME one of {', '.join(OPTIMIZERS)}")
-        grids[name] = grid
-    seeds = [int(s) for s in args.seeds.split(",")]
-    targets = sorted(float(t) for t in args.targets.split(","))
-    common = [
-        *args.overrides,
-        f"train.epochs={args.epochs}",
-        "train.steps=0",
-        f"train.eval_every_steps={args.eval_every}",
-        "train.progress=false",
-        "train.save=false",
-    ]
-    stop_at = targets[-1] if args.stop_at else 0.0
-    if stop_at:
-        common.append(f"train.stop_at_accuracy={stop_at}")
+    args = parse(argv, __doc__.splitlines()[0], OPTIMIZERS, GRIDS)
+    check_runs(args, OPTIMIZERS)
+    names, grids, seeds, targets, stop_at = args.names, args.grids, args.seeds, args.targets, args.stop_at
     tail = f"_to{stop_at:g}" if stop_at else ""  # a stopped run is no full run to reuse, nor the other way
     everything: list[dict[str, Any]] = []
     diverged: list[dict[str, Any]] = []
@@ -314,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         sweep = []
         for point in parse_grid(grids[name]):
             folder = args.out / "runs" / name / point_name(point) / f"seed{seeds[0]}{tail}"
-            overrides = [*OPTIMIZERS[name], *common, *point, f"train.seed={seeds[0]}"]
+            overrides = run_overrides(args, OPTIMIZERS[name], point, seeds[0])
             summary = train(args.recipe, overrides, folder)
             if "diverged" in summary:  # a point too aggressive to train: reported, never chosen
                 diverged.append({"optimizer": name, "point": point, "seed": seeds[0], **summary})
@@ -323,15 +285,15 @@ def main(argv: list[str] | None = None) -> int:
             sweep.append(record(name, point, seeds[0], summary))
             print(f"  {' '.join(point)}: val acc {sweep[-1]['val_acc']:.4f}", flush=True)
         if not sweep:
-            raise SystemExit(f"{name}: every point of its sweep diverged ({grids[name]})")
+            raise SystemExit(f"error: {name}: every point of its sweep diverged ({grids[name]})")
         top = best(sweep, stop_at)
         chosen[name] = [top]
         for seed in seeds[1:]:
             folder = args.out / "runs" / name / point_name(top["point"]) / f"seed{seed}{tail}"
-            overrides = [*OPTIMIZERS[name], *common, *top["point"], f"train.seed={seed}"]
+            overrides = run_overrides(args, OPTIMIZERS[name], top["point"], seed)
             summary = train(args.recipe, overrides, folder)
             if "diverged" in summary:
-                raise SystemExit(f"{name} {' '.join(top['point'])} seed {seed} diverged: {summary['diverged']}")
+                raise SystemExit(f"error: {name} {' '.join(top['point'])} seed {seed} diverged: {summary['diverged']}")
             chosen[name].append(record(name, top["point"], seed, summary))
         everything += sweep + chosen[name][1:]
     rows = summarize(chosen, targets)
