@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader
@@ -27,13 +27,14 @@ from kfacflow.calibration import calibrate
 from kfacflow.comm.base import Backend
 from kfacflow.config import DistConfig, KFACConfig
 from kfacflow.data import DataInfo, build_datasets, check_shard
-from kfacflow.kfac import options, strategies
+from kfacflow.kfac import in_use, options, strategies
 from kfacflow.kfac.preconditioner import Preconditioner
 from kfacflow.kfac.stages import FusionOptions
 from kfacflow.kfac.strategies import StageSet
 from kfacflow.kfac.variants import Stages, resolve
 from kfacflow.loader import ResumableSampler, eval_loader, train_loader
-from kfacflow.models import build_model, check_name
+from kfacflow.model_checks import check_input
+from kfacflow.models import build_model, check_kwargs, check_name
 from kfacflow.optim import build_optimizer, build_scheduler
 from kfacflow.perf import Profile
 from kfacflow.resume import check_meta, check_model
@@ -101,8 +102,9 @@ def check(cfg: DictConfig) -> None:
             reg.get(name)
     names = resolve(k)
     check_stages(names)
-    options.check(k)
+    in_use.check(k, names)
     check_name(cfg.model.name)
+    check_kwargs(cfg.model.name, cfg.model.kwargs)
     if k.profile:
         for method in Profile.load(k.profile).methods:  # a misspelt method would silently use the default model
             if method not in registry.INVERSES.names():
@@ -338,9 +340,12 @@ def training(cfg: DictConfig, backend: Backend, run_dir: Path, timer: StepTimer)
     train_set, val_set, info = build_datasets(cfg.data)
     check_shard(len(train_set), world, cfg.data.batch_size, accumulate)  # type: ignore[arg-type]
     seed_all(cfg.train.seed)  # identical initial weights on every rank
-    model = build_model(cfg.model.name, info.num_classes, info.channels).to(backend.device, dtype)
+    kwargs: dict[str, Any] = OmegaConf.to_container(cfg.model.kwargs)  # type: ignore[assignment]  # a str-keyed map
+    model = build_model(cfg.model.name, info.num_classes, info.channels, kwargs).to(backend.device, dtype)
     if cfg.train.channels_last:  # the trainer sends the images in the same format
         model = model.to(memory_format=torch.channels_last)
+    # before cuDNN's benchmark mode, which would time its algorithms for the trial's shape too
+    check_input(model, cfg.model.name, kwargs, info.channels, info.image_size, cfg.train.channels_last)
     if backend.device.type == "cuda":
         torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
     names = resolve(cfg.kfac)

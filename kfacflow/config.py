@@ -87,6 +87,11 @@ class ModelConfig:
 
     name: str = "digits_cnn"
     """A registry name (`--list model`): built-ins, any torchvision classifier, or ``timm/<name>``."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the model's factory, e.g. ``model.kwargs.img_size=32`` for a timm ViT: timm's
+    ``create_model``, torchvision's builder, or your ``module.path:factory`` (after ``num_classes, in_channels``).
+    The built-ins take none; the classes, the channels and ``pretrained``/``weights`` are not given here (they come
+    from the data; nothing is downloaded). An argument the factory does not take is refused, naming what it takes."""
 
 
 @dataclass
@@ -310,10 +315,12 @@ class KFACConfig:
     factors, so every inverse is the same, to round-off, as with ``update``; factor traffic falls by
     ``inv_update_freq / factor_update_freq`` (nothing changes where that is 1). Empty takes the variant's."""
     fusion_threshold_mb: float = field(default=64.0, metadata=above(0, "MiB"))
-    """Fusion buffer of the ``threshold`` policy, in MiB (Horovod's default); the same as ``options.threshold.mb``."""
+    """Fusion buffer of the ``threshold`` policy, in MiB (Horovod's default); the same as ``options.threshold.mb``.
+    Away from its default where the fusion is not ``threshold``, it is refused (nothing would read it)."""
     options: dict[str, Any] = field(default_factory=dict)
     """The settings of stages that have their own, by stage name: ``kfac.options.<name>.<setting>`` (e.g.
-    ``kfac.options.threshold.mb=32``); each stage declares its own and checks them."""
+    ``kfac.options.threshold.mb=32``); each stage declares its own and checks them. The options of a stage the run
+    does not use (the variant's choices included) are refused, except under ``kfac.variant=sgd``."""
     profile: Optional[str] = None
     """Performance-model profile (tools/fit_perf_models.py); empty calibrates at start when needed."""
     profile_steps: int = field(default=5, metadata=at_least(1))
@@ -321,8 +328,8 @@ class KFACConfig:
     placement_steps: int = field(default=0, metadata=at_least(0, "0: by the estimates alone"))
     """Steps whose preconditioning is timed layer by layer (after one warm-up step) before whole layers are placed
     again by the measured times, once, where the next inverse period starts: for a placement that weighs layers by
-    their work (``kfac.placement=layer`` where updates are broadcast and ``inv_update_freq`` is over 1); 0: by
-    the estimates from their shapes alone (within about 2x of traced times)."""
+    their work (``kfac.placement=layer`` where updates are broadcast and ``inv_update_freq`` is over 1; elsewhere
+    a value over 0 is refused); 0: by the estimates from their shapes alone (within about 2x of traced times)."""
     skip: list[str] = field(default_factory=list)
     """fnmatch patterns of module names K-FAC leaves alone (e.g. ``fc``, ``layer4.*``)."""
     factor_dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = "auto"

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import fields, is_dataclass
-from typing import get_type_hints
+from typing import Any, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+from omegaconf.nodes import BooleanNode, StringNode
 
 from kfacflow import UserError
 from kfacflow.config import RunConfig
@@ -48,14 +50,47 @@ def explain(err: OmegaConfBaseException, where: str) -> str:
 
 
 def merge(base: DictConfig, other: object, where: str) -> DictConfig:
-    """Merge ``other`` over the structured ``base`` (types and keys checked by OmegaConf).
+    """Merge ``other`` over the structured ``base``: types and keys checked by OmegaConf, bools by :func:`strict_bools`.
 
     Raises:
         UserError: What :func:`explain` says of OmegaConf's error.
     """
+    strict_bools(base, other, where)
     try:
         merged = OmegaConf.merge(base, other)
     except OmegaConfBaseException as err:
         raise UserError(explain(err, where)) from None
     assert isinstance(merged, DictConfig)
     return merged
+
+
+def strict_bools(base: DictConfig, other: object, where: str, prefix: str = "") -> None:
+    """Refuse a value that is not a bool for a bool key, and a bool for a text key, before OmegaConf converts them.
+
+    OmegaConf takes ``2``, ``"y"`` or ``"off"`` for a bool (``train.cudnn_benchmark=2`` ran as true) and
+    writes a bool into a text key as ``"True"``; a bool key takes only true or false here. Keys
+    ``base`` does not know are left to OmegaConf, which names them.
+
+    Raises:
+        UserError: Naming the key and what it takes.
+    """
+    given = OmegaConf.to_container(other, resolve=False) if isinstance(other, DictConfig) else other
+    if not isinstance(given, Mapping):
+        return
+    for key, value in given.items():
+        if not isinstance(key, str) or key not in base:
+            continue
+        node, name = base._get_node(key), f"{prefix}{key}"
+        if isinstance(node, DictConfig):
+            strict_bools(node, value, where, f"{name}.")
+        elif isinstance(node, BooleanNode) and not (isinstance(value, bool) or value is None or _interpolation(value)):
+            raise UserError(f"{where}: '{name}' is a bool: it takes true or false, not {value!r}.")
+        elif isinstance(node, StringNode) and isinstance(value, bool):
+            raise UserError(
+                f"{where}: '{name}' takes text, not the bool {str(value).lower()} (YAML reads true, yes, on, false, "
+                f"no, off as bools); quote the word, e.g. {name}=\"'on'\"."
+            )
+
+
+def _interpolation(value: Any) -> bool:
+    return isinstance(value, str) and value.startswith("${")

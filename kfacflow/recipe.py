@@ -19,6 +19,8 @@ from kfacflow.config_errors import merge
 from kfacflow.config_rules import check, reject_empty_resume
 from kfacflow.yaml_file import read_yaml
 
+YAML11_BOOLS = ("yes", "no", "on", "off")
+"""What YAML 1.1 (and so an override) reads as a bool besides true and false."""
 SHIPPED = Path(__file__).with_name("recipes")
 """The recipes that ship inside the package; a recipe may be named by its file name without ``.yaml``."""
 
@@ -86,8 +88,14 @@ def load(recipes: list[str], overrides: list[str]) -> DictConfig:
                 f"override {item!r} does not parse ({str(err).splitlines()[0]}); quote YAML's special "
                 "characters, e.g. kfac.skip=['*']."
             ) from None
-        if item.partition("=")[0] == "resume" and not item.partition("=")[2].strip():
+        key, _, text = item.partition("=")
+        if key == "resume" and not text.strip():
             reject_empty_resume()  # parsed, it reads as no resume at all: a fresh run where one was to go on
+        if text.strip().lower() in YAML11_BOOLS:  # YAML reads them as bools: a bool key takes true or false alone
+            raise UserError(
+                f"override {item!r}: give true or false for a bool key (YAML reads {text.strip()!r} as a bool), or "
+                f"quote the word for text, e.g. {key}=\"'{text.strip()}'\"."
+            )
     dot = OmegaConf.from_dotlist(overrides)
     resume = dot.get("resume") if not recipes else None
     if resume:

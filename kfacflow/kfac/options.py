@@ -41,10 +41,11 @@ class StageOptions:
     """Settings an older ``kfac`` key also sets (setting -> key), for the recipes written before ``kfac.options``."""
 
 
-def of(entry: registry.Entry[Any], kfac: Any) -> Any:
+def of(entry: registry.Entry[Any], kfac: Any, prefix: str = "kfac.") -> Any:
     """Return the options ``kfac`` (the section, as a dataclass or a ``DictConfig``) gives ``entry``, or ``None``.
 
     Its defaults, then the older keys it declares (:attr:`StageOptions.KEYS`), then ``kfac.options.<name>``.
+    ``prefix`` opens the keys messages name (``kfac.``; the library's ``KFACPreconditioner: ``).
 
     Raises:
         UserError: An unknown setting, a wrong type or a value out of range, naming the key.
@@ -52,30 +53,38 @@ def of(entry: registry.Entry[Any], kfac: Any) -> Any:
     if entry.options is None:
         return None
     kind: type[StageOptions] = entry.options
-    where = f"kfac.options.{entry.name}"
-    older = {setting: _get(kfac, key) for setting, key in kind.KEYS.items()}
-    given = _get(kfac, "options").get(entry.name) or {}
+    where = f"{prefix}options.{entry.name}"
+    older = {setting: read(kfac, key) for setting, key in kind.KEYS.items()}
+    given = read(kfac, "options").get(entry.name) or {}
     node = merge(merge(OmegaConf.structured(kind), older, where), given, where)
     check_ranges(node, kind, f"{where}.")
     return OmegaConf.to_object(node)
 
 
-def check(kfac: Any) -> None:
+def having() -> dict[str, tuple[registry.Registry[Any], registry.Entry[Any]]]:
+    """Every stage that has options of its own, by name: its registry and its entry."""
+    return {entry.name: (reg, entry) for reg in STAGES for entry in reg if entry.options is not None}
+
+
+def check(kfac: Any, prefix: str = "kfac.") -> None:
     """Check every ``kfac.options.<name>``: of a stage with options, each setting known, typed and in range.
+
+    Whether the run uses that stage is :func:`kfacflow.kfac.in_use.check`'s. ``prefix``: as :func:`of`'s.
 
     Raises:
         UserError: Naming the key, with the stages that have options.
     """
-    having = {entry.name: entry for reg in STAGES for entry in reg if entry.options is not None}
-    for name in _get(kfac, "options"):
-        if name not in having:
+    stages = having()
+    for name in read(kfac, "options"):
+        if name not in stages:
             raise UserError(
-                f"kfac.options.{name}: no stage named {name!r} has options of its own.{did_you_mean(name, having)} "
-                f"Stages with options: {', '.join(sorted(having)) or 'none'}."
+                f"{prefix}options.{name}: no stage named {name!r} has options of its own.{did_you_mean(name, stages)} "
+                f"Stages with options: {', '.join(sorted(stages)) or 'none'}."
             )
-        of(having[name], kfac)
+        of(stages[name][1], kfac, prefix)
 
 
-def _get(kfac: Any, key: str) -> Any:
+def read(kfac: Any, key: str) -> Any:
+    """The value of ``key`` in the ``kfac`` section (a dataclass or a ``DictConfig``), plain (no ``DictConfig``)."""
     value = kfac[key] if isinstance(kfac, DictConfig | Mapping) else getattr(kfac, key)
     return OmegaConf.to_container(value) if isinstance(value, DictConfig) else value
