@@ -263,6 +263,10 @@ class DistConfig:
         default=300, metadata=within(1, 10**9, "seconds a collective may wait; 10**9 is 31 years", "10**9")
     )
     """Seconds a collective may wait before the job fails instead of hanging."""
+    find_unused_parameters: bool = False
+    """For a model some of whose trained parameters get no gradient at some step on some rank (a mixture of experts'
+    expert no token went to, early exit): DDP then finds them at every step (a walk of the autograd graph). Where
+    kfacflow averages the gradients itself (``flow``'s) such parameters are always counted."""
 
 
 @dataclass

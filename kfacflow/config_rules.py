@@ -90,21 +90,15 @@ def check(cfg: DictConfig) -> None:
 def kfac_section(values: dict[str, Any], where: str) -> KFACConfig:
     """Validate ``kfac`` keys given in code (the library API) as a recipe's are; return the section.
 
-    The stages' own settings too, and that the stages in use read them (:func:`kfacflow.kfac.in_use.check`),
-    but not against ``inv_update_freq``: the library's may be a schedule of the step.
+    The stages' own settings and whether the stages in use read them are the caller's to check
+    (:func:`kfacflow.kfac.in_use.check`): this module is a leaf the stages import.
 
     Raises:
-        UserError: An unknown key, a wrong type, a value out of range or a key no stage in use reads, naming it.
+        UserError: An unknown key, a wrong type or a value out of range, naming it.
     """
-    # Imported here: the stages import this module (their options are checked as the schema's keys are).
-    from kfacflow.build import load_plugins
-    from kfacflow.kfac import in_use
-
     node = merge(OmegaConf.structured(KFACConfig), values, where)
     check_ranges(node, KFACConfig, "")
     _check_update_freqs(node, f"{where}: ", "")
     section = OmegaConf.to_object(node)
     assert isinstance(section, KFACConfig)
-    load_plugins()
-    in_use.check(section, where=f"{where}: ", prefix="", intervals=False)
     return section

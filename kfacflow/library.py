@@ -18,12 +18,15 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from kfacflow import UserError, build, registry
 from kfacflow.calibration import calibrate
 from kfacflow.comm.base import Backend
 from kfacflow.config import DistConfig
 from kfacflow.config_rules import kfac_section
+from kfacflow.kfac import in_use
+from kfacflow.kfac.gradients import GradientAllreduce
 from kfacflow.kfac.strategies import AFTER_BACKWARD
 from kfacflow.kfac.variants import Stages, resolve
 from kfacflow.perf import Profile
@@ -57,6 +60,22 @@ def _checked(name: str, value: object, step: int, integer: bool = False) -> floa
     raise UserError(f"{WHERE}: {name} at step {step} is {value!r}; it must be {kind}.")
 
 
+def _unwrapped(model: object) -> tuple[nn.Module, bool]:
+    """The network inside ``model``, and whether DDP wraps it; a UserError where there is nothing to precondition."""
+    wrapped = isinstance(model, nn.parallel.DistributedDataParallel)
+    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    if not isinstance(inner, nn.Module):
+        raise UserError(
+            f"{WHERE}: model is {type(model).__name__!r}, not a torch.nn.Module; give the network, plain or "
+            "wrapped in DistributedDataParallel."
+        )
+    params = list(inner.parameters())
+    if not any(p.requires_grad for p in params):
+        what = "every parameter is frozen (requires_grad=False)" if params else "it has no parameters"
+        raise UserError(f"{WHERE}: the model has nothing to train or precondition: {what}.")
+    return inner, wrapped
+
+
 class KFACPreconditioner:
     """Preconditions a model's gradients with K-FAC inside your own training loop.
 
@@ -70,8 +89,22 @@ class KFACPreconditioner:
     process group for K-FAC's traffic. With a model wrapped in ``DistributedDataParallel`` the
     gradients are DDP's averages; with Horovod, call ``optimizer.synchronize()`` before
     :meth:`step` and step the optimizer under ``optimizer.skip_synchronize()``; with a plain
-    model on several ranks the preconditioner averages the gradients itself (after the backward
-    pass, behind the factors) and starts every rank from rank 0's parameters.
+    model on several ranks the preconditioner averages the gradients itself, inside :meth:`step`
+    (behind the factors, where it costs least), and starts every rank from rank 0's parameters:
+    code that reads or changes the gradients before :meth:`step` (``clip_grad_norm_``, a norm to
+    log) calls :meth:`average_gradients` first, which does nothing where DDP or Horovod has
+    averaged them, so one loop gives the same result either way::
+
+        loss.backward()
+        precond.average_gradients()  # only where your code touches the gradients before step()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        precond.step()
+        optimizer.step()
+
+    Sparse gradients (``nn.Embedding(sparse=True)``, not preconditioned) are averaged as sparse
+    ones. Without DDP (a plain model, or Horovod) :meth:`step` also gives every rank rank 0's
+    buffers (BatchNorm's running statistics), as DDP does, so every rank evaluates and saves the
+    same model.
 
     Args:
         model: The network, plain or wrapped in ``DistributedDataParallel``.
@@ -102,7 +135,8 @@ class KFACPreconditioner:
             module names), ``profile_steps`` ...
 
     Raises:
-        UserError: A bad argument (named, with the accepted values), or no layer to precondition.
+        UserError: A bad argument (named, with the accepted values); a model with no trainable
+            parameter, no layer to precondition, or parameters on another device than ``device``.
     """
 
     def __init__(
@@ -124,6 +158,7 @@ class KFACPreconditioner:
     ) -> None:
         if "profile" in kfac or "variant" in kfac:
             raise UserError(f"{WHERE}: give variant and profile as the arguments of those names.")
+        inner, wrapped = _unwrapped(model)
         if isinstance(kfac.get("skip"), str):
             kfac["skip"] = [kfac["skip"]]
         elif isinstance(kfac.get("skip"), tuple):
@@ -140,13 +175,15 @@ class KFACPreconditioner:
             },
             WHERE,
         )
+        build.load_plugins()
+        in_use.check(cfg, where=f"{WHERE}: ", prefix="", intervals=False)  # intervals may be schedules of the step
         if not isinstance(batch_dim, int) or isinstance(batch_dim, bool) or batch_dim < 0:
             raise UserError(f"{WHERE}: batch_dim={batch_dim!r} must be an integer >= 0 (the inputs' batch dimension).")
-        if not isinstance(accumulate, int) or accumulate < 1:
+        if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
             raise UserError(f"{WHERE}: accumulate={accumulate!r} must be an integer >= 1 (backward passes per step).")
-        if device not in ("auto", "cpu", "cuda"):
-            raise UserError(f"{WHERE}: device={device!r}; give 'auto', 'cpu' or 'cuda'.")
-        build.load_plugins()
+        if lr is not None and not callable(lr):
+            _checked("lr", lr, 0)
+        self._check_engine(backend, device, grad_scaler)
         names = resolve(cfg)
         if names.choose or not names.preconditioned:
             raise UserError(
@@ -154,17 +191,19 @@ class KFACPreconditioner:
                 "(`python run.py --list variant`)."
             )
         self.backend: Backend = registry.BACKENDS.get(backend)(DistConfig(backend=backend, device=device))  # type: ignore[arg-type]
-        wrapped = isinstance(model, nn.parallel.DistributedDataParallel)
-        inner = model.module if wrapped else model
-        assert isinstance(inner, nn.Module)
         self.model: nn.Module = inner
+        self._check_device(device)
         # Who averages the gradients: DDP or Horovod's optimizer (the user's), else this object.
         self.averages = self.backend.world_size > 1 and not wrapped and backend == "torch"
+        self.syncs_buffers = self.backend.world_size > 1 and not wrapped
+        """Whether :meth:`step` gives every rank rank 0's buffers (nothing else does: no DDP)."""
+        self._averaged: list[RemovableHandle] | None = None
+        """Set once :meth:`average_gradients` averaged the gradients: hooks that forget it at a backward pass."""
         names = self._grad_sync(cfg, names, wrapped, backend)
         cfg.grad_sync = names.grad_sync
         build.check_device(names, self.backend.device)  # before any calibration
-        if self.averages:
-            self._same_start()
+        if self.averages:  # what DDP does when it wraps a model
+            self.backend.broadcast_state([*self.model.parameters(), *self.model.buffers()])
         dtype = next(self.model.parameters()).dtype
         planning = self._profile(profile, names, dtype) if build.needs_profile(names) else None
         self.core = build.preconditioner(
@@ -189,11 +228,26 @@ class KFACPreconditioner:
             return replace(names, grad_sync="overlap")
         return names
 
-    def _same_start(self) -> None:
-        """Start every rank from rank 0's parameters and buffers (what DDP does when it wraps a model)."""
-        with torch.no_grad():
-            for tensor in [*self.model.parameters(), *self.model.buffers()]:
-                self.backend.broadcast_async(tensor.data, 0).wait()
+    @staticmethod
+    def _check_engine(backend: object, device: object, grad_scaler: object) -> None:
+        if not isinstance(backend, str):
+            raise UserError(f"{WHERE}: backend={backend!r}; give 'torch' or 'horovod'.")
+        if device not in ("auto", "cpu", "cuda"):
+            raise UserError(f"{WHERE}: device={device!r}; give 'auto', 'cpu' or 'cuda'.")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise UserError(f"{WHERE}: device='cuda', but torch sees no CUDA device; give device='cpu' or 'auto'.")
+        if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
+            raise UserError(f"{WHERE}: grad_scaler is {type(grad_scaler).__name__!r}, not a torch.amp.GradScaler.")
+
+    def _check_device(self, device: str) -> None:
+        """The model's parameters are where K-FAC works (its factors and inverses live there)."""
+        found = sorted({str(p.device) for p in self.model.parameters()})
+        if found != [str(self.backend.device)]:
+            self._close()
+            raise UserError(
+                f"{WHERE}: the model's parameters are on {' and '.join(found)}, but with device={device!r} K-FAC "
+                f"works on {self.backend.device}; move the model there first (model.to(...)), or choose the device."
+            )
 
     def _profile(self, profile: str | Path | Profile | None, names: Stages, dtype: torch.dtype) -> Profile:
         if isinstance(profile, Profile):
@@ -241,8 +295,34 @@ class KFACPreconditioner:
         lr = _checked("lr", lr, step)
         self.core.cfg.damping = _checked("damping", _at(self.damping, step), step)
         self._intervals(step)
-        self.core.step(lr, self.core.stages.grad_sync.gradients(self.backend, list(self.model.parameters())))
+        params = list(self.model.parameters())
+        gradients = None if self._averaged is not None else self.core.stages.grad_sync.gradients(self.backend, params)
+        self._forget_averaged()
+        self.core.step(lr, gradients)
+        if self.syncs_buffers:
+            self.backend.sync_buffers(self.model)
         self._intervals(step + 1)  # whether the next forward pass captures factors
+
+    def average_gradients(self) -> None:
+        """Average this step's gradients over the ranks now, for code that reads or changes them before :meth:`step`.
+
+        Where the preconditioner averages them (a plain model on several ranks), :meth:`step` would,
+        behind the factors; called first, clipping and norms see the averages, as under DDP, and
+        :meth:`step` does not average again, unless a backward pass (another micro-batch) added
+        this rank's own gradients since. Where DDP, Horovod's ``optimizer.synchronize()`` or a single
+        process leaves them averaged, it does nothing. Collective: every rank calls it alike.
+        """
+        if not self.averages or self._averaged is not None:
+            return
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        GradientAllreduce(self.backend, params).wait()
+        # A backward pass before step() (another micro-batch, a step the loop skipped) adds this rank's own again.
+        self._averaged = [p.register_post_accumulate_grad_hook(self._forget_averaged) for p in params]
+
+    def _forget_averaged(self, *_: Any) -> None:
+        for hook in self._averaged or []:
+            hook.remove()
+        self._averaged = None
 
     def _intervals(self, step: int) -> None:
         factor = int(_checked("factor_update_freq", _at(self.factor_update_freq, step), step, integer=True))
@@ -266,5 +346,9 @@ class KFACPreconditioner:
     def remove(self) -> None:
         """Take the hooks off the model and close K-FAC's process groups (the job's own group stays)."""
         self.core.remove()
+        self._forget_averaged()
+        self._close()
+
+    def _close(self) -> None:
         if dist.is_available() and dist.is_initialized() and getattr(self.backend, "joined", False):
             self.backend.close()

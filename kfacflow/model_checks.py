@@ -8,7 +8,9 @@ hooks it, finds every kind in the same place and says what to change, in one lin
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,6 +20,8 @@ from kfacflow import UserError
 from kfacflow.models import factory_of
 from kfacflow.usercode import first_line
 
+HOOKS = Path(__file__).resolve().parent / "kfac"
+"""K-FAC's own code: an error raised there is a bug of kfacflow's, whose traceback is kept."""
 TRIAL = 2
 """Images in the trial batch: two, since a BatchNorm without running statistics refuses a batch of one."""
 SIZE_ARGS = ("img_size", "image_size", "input_size")
@@ -80,3 +84,27 @@ def _own_size(model: nn.Module) -> int | None:
         return shape[-1]
     side = getattr(model, "image_size", None)
     return side if isinstance(side, int) and not isinstance(side, bool) else None
+
+
+def explained(err: Exception, name: str, data: str, first: bool) -> Exception:
+    """The one line an error of a training forward pass stands for, or ``err`` itself (its traceback kept).
+
+    DDP's complaint of a parameter that got no gradient names the key that tells it to look for them;
+    an error from inside torch at the first step is about the data's shape (``name``: ``model.name``,
+    ``data``: the images and batch size); anything else, or an error raised in K-FAC's hooks, is a bug.
+    """
+    text = str(err).strip()
+    if "find_unused_parameters" in text:
+        return UserError(
+            "some trained parameter got no gradient at the last step on some rank (a layer that did not run there: "
+            "a mixture of experts' expert no token went to, early exit), and DDP was not told to look for them: "
+            "set dist.find_unused_parameters=true."
+        )
+    frames = traceback.extract_tb(err.__traceback__)
+    if not first or any(Path(f.filename).resolve().is_relative_to(HOOKS) for f in frames):
+        return err
+    message = text.splitlines()[0] if text else type(err).__name__
+    return UserError(
+        f"model.name={name} cannot run on this data ({data}): {message}. Raise data.image_size, or choose a model "
+        "made for this input size (e.g. resnet20 for 32 px)."
+    )

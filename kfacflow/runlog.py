@@ -1,14 +1,15 @@
-"""The run log: what a run shows and keeps on rank 0 (progress bar, TensorBoard, timings.jsonl, traced step, summary).
+"""The run log: what a run shows and keeps on rank 0 (progress bar, TensorBoard, timings.jsonl, metrics, traced step).
 
 The trainer gathers the numbers (the collectives stay in the loop); this observer only writes them.
+Every record is complete however the run ends: timing rows wait for the next training row, a
+checkpoint or the end of the run, whichever comes first (:meth:`RunLog.flush`), and what a row
+adds up since the previous one travels in the checkpoint (:meth:`RunLog.state_dict`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import signal
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -46,22 +47,25 @@ class RunLog:
         """A plain log line every ``train.log_every`` steps instead of the bar (output is not a terminal)."""
         self.total = 0
         self.timings: list[dict[str, float]] = []
-        """The breakdown of every step this process trained (for the means in the summary)."""
-        self.timed_steps: list[int] = []
-        """The run's step number of each of :attr:`timings` (a skipped step is not timed)."""
+        """The breakdown of each step timed since the last training row (a skipped step is not timed)."""
+        self._pending: list[str] = []
+        """Rows of timings.jsonl not written yet."""
+        self._last_train: dict[str, Any] = {}
+        """The step and TensorBoard scalars of the last training row (a resume from that step writes them again)."""
         self._traced: list[tuple[int, dict[str, Any]]] = []
         """Each traced step's number and :func:`~kfacflow.timeline.layer_profile` (``train.timeline_steps``)."""
-        self._written = 0
         self._columns: tuple[str, ...] | None = None
         """The columns of ``metrics.csv``: this version's, or those of the file an earlier version began."""
 
-    def open(self, step: int, total: int, evaluated: bool = False) -> None:
+    def open(self, step: int, total: int, history: list[dict[str, float]], logged: bool = True) -> None:
         """Start TensorBoard and the bar; a resume from ``step`` first drops what an earlier life logged after it.
 
         Args:
             step: The step the run starts from (a resume's checkpoint's; 0 for a new run).
             total: The run's last step.
-            evaluated: Whether the checkpoint holds an evaluation at ``step`` (else one logged there is dropped).
+            history: The checkpoint's evaluations (one logged at ``step`` that it does not hold is dropped).
+            logged: Whether the checkpoint's steps were all in training rows (else a row at ``step``, written
+                when a process ended between two rows, is dropped: the run logs those steps again).
 
         Raises:
             StorageError: If a log file cannot be rewritten.
@@ -70,10 +74,16 @@ class RunLog:
             return
         from torch.utils.tensorboard import SummaryWriter
 
+        evaluations = [record for record in history if record["step"] == step] if step else []
         if step:
-            self._drop_after(step, evaluated)
+            self._drop_after(step, bool(evaluations), logged)
         self.writer = SummaryWriter(str(self.run_dir), purge_step=step or None)
         self.writer.add_text("config", "```\n" + to_yaml(self.cfg) + "\n```", step)
+        # TensorBoard hides every event from purge_step on: what the run keeps at that step is written again.
+        for tag, value in self._last_train.get("scalars", {}).items() if self._last_train.get("step") == step else ():
+            self.writer.add_scalar(tag, value, step)
+        for record in evaluations:
+            self._evaluation_scalars(record)
         self.total = total
         if self.cfg.train.progress and sys.stderr.isatty():
             from tqdm import tqdm
@@ -91,19 +101,43 @@ class RunLog:
     def step_timed(self, step: int, parts: dict[str, float]) -> None:
         """Keep the breakdown of the run's step ``step``."""
         self.timings.append(parts)
-        self.timed_steps.append(step)
+        if self.on:
+            self._pending.append(json.dumps({"step": step, **parts}) + "\n")
 
-    def _drop_after(self, step: int, evaluated: bool) -> None:
+    def flush(self) -> None:
+        """Append the timing rows not written yet to timings.jsonl.
+
+        Raises:
+            StorageError: If it cannot be written.
+        """
+        if self._pending:
+            rundir.append_lines(self.run_dir / TIMINGS, self._pending)
+            self._pending = []
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return what a checkpoint keeps: the timings since the last training row, that row's scalars, traced steps."""
+        return {"timings": [dict(p) for p in self.timings], "last_train": self._last_train, "traced": self._traced}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Go on from what :meth:`state_dict` returned (None: a checkpoint written before it was kept)."""
+        if state:
+            self.timings, self._last_train = [dict(p) for p in state["timings"]], dict(state["last_train"])
+            self._traced = [(int(step), dict(profile)) for step, profile in state["traced"]]
+
+    def _drop_after(self, step: int, evaluated: bool, logged: bool) -> None:
         """Keep the rows of timings.jsonl and metrics.* up to the checkpoint ``step``, as TensorBoard's purge_step does.
 
         The run goes on from there and logs the later steps again. A row cut short (the process died while
-        appending it) is dropped too, so that the next row starts on a line of its own.
+        appending it) is dropped too, so that the next row starts on a line of its own; so are an evaluation at
+        ``step`` the checkpoint does not hold and, unless ``logged``, a training row at ``step``.
         """
 
         def kept(row_step: object, kind: object) -> bool:
             if not isinstance(row_step, int) or isinstance(row_step, bool):
                 return False
-            return row_step < step or (row_step == step and (evaluated or not str(kind).startswith("val")))
+            if row_step != step:
+                return row_step < step
+            return evaluated if str(kind).startswith("val") else logged or kind is None  # timing rows: None
 
         def json_row(line: str) -> bool:
             try:
@@ -132,29 +166,25 @@ class RunLog:
         Raises:
             StorageError: If timings.jsonl cannot be written.
         """
+        fresh, self.timings = self.timings, []
         if not self.on:
             return
-        self.writer.add_scalar("train/loss", loss, step)
-        self.writer.add_scalar("train/acc", acc, step)
-        self.writer.add_scalar("train/lr", lr, step)
-        fresh = self.timings[self._written :]
         mean = summarize(fresh, 0)
         record: dict[str, Any] = {"step": step, "kind": "train", "loss": loss, "acc": acc, "lr": lr}
+        scalars = {"train/loss": loss, "train/acc": acc, "train/lr": lr}
         if clip is not None:
-            record["kl_clip_scale"] = clip
-            self.writer.add_scalar("kfac/kl_clip_scale", clip, step)
+            record["kl_clip_scale"] = scalars["kfac/kl_clip_scale"] = clip
         if fresh:
             record["step_s"] = mean["total"]
             record["images_per_s"] = self.images_per_step / mean["total"] if mean["total"] > 0 else None
-            self.writer.add_scalar("time/step_s", fresh[-1]["total"], step)
+            scalars["time/step_s"] = fresh[-1]["total"]
             if record["images_per_s"] is not None:
-                self.writer.add_scalar("time/images_per_s", record["images_per_s"], step)
-        for part, seconds in mean.items():
-            self.writer.add_scalar(f"breakdown/{part}", seconds, step)
-        steps = self.timed_steps[self._written :]
-        lines = [json.dumps({"step": n, **p}) + "\n" for n, p in zip(steps, fresh, strict=True)]
-        rundir.append_lines(self.run_dir / TIMINGS, lines)
-        self._written = len(self.timings)
+                scalars["time/images_per_s"] = record["images_per_s"]
+        scalars |= {f"breakdown/{part}": seconds for part, seconds in mean.items()}
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, step)
+        self._last_train = {"step": step, "scalars": scalars}
+        self.flush()
         self._metrics(record)
         if self.lines:
             speed = f", {record['step_s']:.3f} s/step, {record['images_per_s']:.0f} images/s" if fresh else ""
@@ -184,15 +214,17 @@ class RunLog:
         """Write one evaluation."""
         if not self.on:
             return
-        self.writer.add_scalar("val/loss", record["val_loss"], record["step"])
-        self.writer.add_scalar("val/acc", record["val_acc"], record["step"])
+        self._evaluation_scalars(record)
         at = {"step": record["step"], "seconds": record["seconds"]}
         self._metrics(at | {"kind": "val", "loss": record["val_loss"], "acc": record["val_acc"]})
         if "val_acc_ema" in record:
-            self.writer.add_scalar("val_ema/loss", record["val_loss_ema"], record["step"])
-            self.writer.add_scalar("val_ema/acc", record["val_acc_ema"], record["step"])
             self._metrics(at | {"kind": "val_ema", "loss": record["val_loss_ema"], "acc": record["val_acc_ema"]})
         logger.info("epoch %g: val_loss %.4f val_acc %.4f", record["epoch"], record["val_loss"], record["val_acc"])
+
+    def _evaluation_scalars(self, record: dict[str, float]) -> None:
+        for suffix in ("", "_ema") if "val_acc_ema" in record else ("",):
+            for name in ("loss", "acc"):
+                self.writer.add_scalar(f"val{suffix}/{name}", record[f"val_{name}{suffix}"], record["step"])
 
     def timeline(
         self, events: list[Any], layers: list[Any], parts: dict[str, float], step: int, world: int, inverse: str
@@ -218,35 +250,15 @@ class RunLog:
             self.writer.add_figure("timeline", figure, step)
 
     def close(self) -> None:
-        """Close the bar and TensorBoard."""
-        if self.bar is not None:
-            self.bar.close()
-        if self.writer is not None:
-            self.writer.close()
+        """Write the timing rows not written yet, then close the bar and TensorBoard.
 
-    def summary(self, trainer: Any, train_loss: float | None, seconds: float) -> dict[str, Any]:
-        """Return what ``summary.json`` holds."""
-        warm = self.cfg.train.timing_warmup
-        times = [p["total"] for p in self.timings]
-        times = times[warm:] or times
-        last = trainer.history[-1] if trainer.history else {"val_loss": None, "val_acc": None}
-        return {
-            "train_loss": train_loss,
-            "val_loss": last["val_loss"],
-            "val_acc": last["val_acc"],
-            **({k: last.get(k) for k in ("val_loss_ema", "val_acc_ema")} if self.cfg.train.ema > 0 else {}),
-            "steps": trainer.step,
-            "epochs": trainer.step / trainer.steps_per_epoch,
-            "world_size": trainer.world,
-            "variant": self.cfg.kfac.variant,
-            "variant_used": trainer.variant,
-            "stages": vars(trainer.stages),
-            "seconds": seconds,
-            "step_time_median_s": statistics.median(times) if times else None,
-            "breakdown_mean_s": summarize(self.timings, warm),
-            "history": trainer.history,
-            "skipped_steps": trainer.skipped_steps,
-            "repaired_params": trainer.repaired,
-            "stopped_by": signal.Signals(trainer.stopped_by).name if trainer.stopped_by else None,
-            "stopped_at_accuracy": self.cfg.train.stop_at_accuracy if trainer.reached_target else None,
-        }
+        Raises:
+            StorageError: If timings.jsonl cannot be written (the bar and TensorBoard are closed all the same).
+        """
+        try:
+            self.flush()
+        finally:
+            if self.bar is not None:
+                self.bar.close()
+            if self.writer is not None:
+                self.writer.close()

@@ -29,6 +29,7 @@ read when the step ends.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -303,3 +304,61 @@ def summarize(steps: list[dict[str, float]], warmup: int) -> dict[str, float]:
     if not kept:
         return {}
     return {k: sum(s[k] for s in kept) / len(kept) for k in kept[0] if all(k in s for s in kept)}
+
+
+class StepTimes:
+    """The run's step times for ``summary.json``, over every process of it (carried by the checkpoint).
+
+    The median step time and the mean breakdown leave out the run's first ``warmup`` timed steps
+    (all of them while there are no more), as if the run had never stopped: a resumed run's
+    figures are over the same steps as an uninterrupted one's. After the warm-up only the step
+    times (for the median) and each part's sum are kept, so the state grows by one number a step.
+
+    Args:
+        warmup: Timed steps left out at the start of the run (``train.timing_warmup``).
+    """
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.count = 0
+        self.early: list[dict[str, float]] = []
+        """The breakdowns of the first ``warmup`` timed steps."""
+        self.totals: list[float] = []
+        """The time of each timed step after the warm-up."""
+        self.sums: dict[str, float] = {}
+        """Each part's sum over the steps after the warm-up: only the parts every one of them has."""
+
+    def add(self, parts: dict[str, float]) -> None:
+        """Count one timed step's breakdown."""
+        self.count += 1
+        if self.count <= self.warmup:
+            self.early.append(dict(parts))
+            return
+        self.totals.append(parts["total"])
+        if len(self.totals) == 1:
+            self.sums = dict(parts)
+        else:
+            self.sums = {k: v + parts[k] for k, v in self.sums.items() if k in parts}
+
+    def median(self) -> float | None:
+        """The median step time (None if no step was timed)."""
+        times = self.totals or [p["total"] for p in self.early]
+        return statistics.median(times) if times else None
+
+    def means(self) -> dict[str, float]:
+        """The mean of each part (see :func:`summarize`)."""
+        if not self.totals:
+            return summarize(self.early, 0)
+        return {k: v / len(self.totals) for k, v in self.sums.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return what a checkpoint keeps (numbers, strings and one tensor: ``torch.load(weights_only=True)``)."""
+        totals = torch.tensor(self.totals, dtype=torch.float64)
+        return {"warmup": self.warmup, "count": self.count, "early": self.early, "totals": totals, "sums": self.sums}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from what :meth:`state_dict` returned (the warm-up the run began with stays)."""
+        self.warmup, self.count = int(state["warmup"]), int(state["count"])
+        self.early = [dict(p) for p in state["early"]]
+        self.totals = [float(t) for t in state["totals"].tolist()]
+        self.sums = dict(state["sums"])

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import signal
-import time
-import traceback
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,21 +18,19 @@ from omegaconf import DictConfig
 from torch import Tensor
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from kfacflow import StorageError, UserError, auto, build, registry, rundir
+from kfacflow import auto, build, checkpointing, registry
 from kfacflow.build import Training
 from kfacflow.comm.base import Backend
 from kfacflow.consistency import all_finite, check_replicas, skipped
 from kfacflow.data_checks import cross_entropy
+from kfacflow.model_checks import explained
 from kfacflow.precision import MixedPrecision
-from kfacflow.resume import checkpoint_meta
+from kfacflow.records import RunRecords
 from kfacflow.runlog import RunLog
-from kfacflow.seeding import rng_state, set_rng_state
 from kfacflow.timeline import layer_profile, traced_steps
 from kfacflow.timing import StepTimer
 
 logger = logging.getLogger(__name__)
-
-_HOOKS = Path(__file__).resolve().parent / "kfac"
 
 
 class Trainer:
@@ -73,22 +70,17 @@ class Trainer:
         )
         """The moving average of the weights (``train.ema``); every rank keeps the same one."""
         self.step = 0
-        self.history: list[dict[str, float]] = []
+        self.records = RunRecords(cfg.train.stop_at_accuracy, cfg.train.timing_warmup, self.device)
+        """What the run has done over every process of it (``summary.json``; carried by the checkpoint)."""
         self.stop_requested = 0
         """Signal number a handler set: stop after the current step (every rank agrees on when)."""
         self.stopped_by = 0
         self.nonfinite_in_row = 0
-        self.skipped_steps = 0
         self._buffers: list[Tensor] = []
-        self.repaired = 0
-        """Parameter tensors found to differ from rank 0's and restored (see kfacflow.consistency)."""
         self._saved = (-1, 0)
         """(step, evaluations) of the newest checkpoint this process wrote or resumed from."""
-        self._seconds = 0.0
-        """Training seconds of earlier processes of this run (a resume) and of this one until ``_since``."""
-        self._since: float | None = None
         if built.resume_state is not None:
-            self.load_state_dict(built.resume_state)
+            checkpointing.restore(self, built.resume_state)
             self._saved = (self.step, len(self.history))
         self._began = self.step
         """The step this process started from: ``kfac.variant=auto`` chooses on its own second step."""
@@ -102,67 +94,41 @@ class Trainer:
 
     @property
     def finished(self) -> bool:
-        """Whether every step of the run is done (a resumed finished run has nothing to train)."""
+        """Whether every step of the run's budget is done."""
         return self.step >= self.total
 
     @property
-    def train_seconds(self) -> float:
-        """Wall seconds spent training in this run so far, over resumes; evaluations and checkpoints left out."""
-        return self._seconds + (0.0 if self._since is None else time.perf_counter() - self._since)
+    def nothing_to_do(self) -> bool:
+        """Whether a resumed run is over: its budget done and evaluated, or ``train.stop_at_accuracy`` reached."""
+        return (self.finished and self.evaluated) or self.records.reached is not None
+
+    @property
+    def history(self) -> list[dict[str, float]]:
+        """The run's evaluations, oldest first."""
+        return self.records.history
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped so far (non-finite loss or update), over resumes."""
+        return self.records.skipped_steps
+
+    @property
+    def repaired(self) -> int:
+        """Parameter tensors restored from rank 0's so far, over resumes (see kfacflow.consistency)."""
+        return self.records.repaired
 
     @contextmanager
     def _not_training(self) -> Iterator[None]:
-        """Leave the ``with`` body out of every step and out of :attr:`train_seconds`."""
-        seconds, self._since = self.train_seconds, None
-        try:
-            with self.timer.outside():
-                yield
-        finally:
-            self._seconds, self._since = seconds, time.perf_counter()
-
-    @property
-    def reached_target(self) -> bool:
-        """Whether an evaluation reached ``train.stop_at_accuracy`` (every rank holds the same history)."""
-        target = self.cfg.train.stop_at_accuracy
-        return target > 0 and any(record["val_acc"] >= target for record in self.history)
+        """Leave the ``with`` body out of every step and out of the training seconds."""
+        with self.records.paused(), self.timer.outside():
+            yield
 
     @property
     def evaluated(self) -> bool:
         """Whether the validation set was evaluated after the current step."""
-        return any(record["step"] == self.step for record in self.history)
+        return self.records.evaluated(self.step)
 
     # --- checkpoints --------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        """Return everything a resumed run needs (collective: every rank must call it)."""
-        return {
-            "step": self.step,
-            "world_size": self.world,
-            "meta": checkpoint_meta(self.cfg, self.world, self.stages.preconditioned),
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "kfac": self.kfac.state_dict() if self.kfac else None,
-            "ema": self.ema.state_dict() if self.ema is not None else None,
-            "loss_scale": self.precision.state_dict(),
-            "history": self.history,
-            "train_seconds": self.train_seconds,
-            "rng": self.backend.gather_objects(rng_state()),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a checkpoint written by :meth:`state_dict` (checked by :func:`kfacflow.build.training`)."""
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        if self.kfac and state["kfac"]:
-            self.kfac.load_state_dict(state["kfac"])
-        if self.ema is not None and state.get("ema") is not None:
-            self.ema.load_state_dict(state["ema"])  # a run resumed with train.ema newly on starts it afresh
-        self.precision.load_state_dict(state.get("loss_scale"))
-        self.step, self.history = int(state["step"]), list(state["history"])
-        self._seconds = float(state.get("train_seconds", 0.0))  # written before it was kept: counted from here
-        set_rng_state(state["rng"][self.rank])
 
     def checkpoint(self) -> None:
         """Check the replicas, then write a checkpoint (collective: rank 0 writes, every rank learns the outcome).
@@ -172,26 +138,10 @@ class Trainer:
             StorageError: On every rank, if rank 0 could not write it (the previous ones stay).
         """
         with self._not_training():
-            self._checkpoint()
-
-    def _checkpoint(self) -> None:
-        self.repaired += check_replicas(self.model, self.optimizer, self.backend, self.step)
-        if not self.cfg.train.save:  # every rank alike: the state is gathered collectively
+            self.records.repaired += check_replicas(self.model, self.optimizer, self.backend, self.step)
+            if self.cfg.train.save:  # every rank alike: the state is gathered collectively
+                checkpointing.save(self)
             self._saved = (self.step, len(self.history))
-            return
-        state = self.state_dict()
-        error: StorageError | None = None
-        if self.rank == 0:
-            try:
-                rundir.save_checkpoint(self.run_dir, self.step, state, self.cfg.train.keep_checkpoints)
-            except StorageError as err:
-                error = err
-        # Slow storage is no failure: the others wait outside the collectives' timeout (dist.timeout_s).
-        self.backend.await_rank0()
-        failed = self.backend.allreduce_sum(torch.tensor([float(error is not None)]))
-        if failed[0] > 0:
-            raise error or StorageError("rank 0 could not write the checkpoint")
-        self._saved = (self.step, len(self.history))
 
     # --- the loop ------------------------------------------------------------------------
 
@@ -199,35 +149,52 @@ class Trainer:
         """Train until ``train.steps`` or ``train.epochs``; return the summary (all ranks).
 
         A resumed run that is already finished only runs its final evaluation if that is missing.
+        However training ends (its budget, its target, a signal, an error), the run's records end
+        complete: the steps since the last training row get one, and every timed step its row.
         """
-        start = self._since = time.perf_counter()
-        self.report.open(self.step, self.total, self.evaluated)
+        self.records.start()
+        self.report.open(self.step, self.total, self.history, logged=not self.records.interval[2] > 0)
+        try:
+            self._train()
+            if self.finished and not self.evaluated and not self.stopped_by:
+                self._evaluate(self.step / self.steps_per_epoch)  # a resumed run stopped before its final evaluation
+            if self._saved != (self.step, len(self.history)):
+                self.checkpoint()  # before the last row: a resume takes the steps since the previous one again
+            else:
+                self.records.repaired += check_replicas(self.model, self.optimizer, self.backend, self.step)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the error that ended training is the one to report
+                self._close_records()
+            raise
+        self._close_records()
+        return self.records.summary(self)
+
+    def _close_records(self) -> None:
+        self._log_train()
+        self.report.close()
+
+    def _train(self) -> None:
         every = self.cfg.train.eval_every_steps
-        epoch_loss = (0.0, 0)
-        while self.step < self.total and not self.reached_target:
+        while self.step < self.total and self.records.reached is None:
             epoch, offset = divmod(self.step, self.steps_per_epoch)
             self.sampler.set_epoch(epoch)
             self.sampler.skip = offset * self.cfg.data.batch_size * self.accumulate
-            # Loss sum, correct, samples over every rank (since the last log, and this epoch).
-            sums = torch.zeros(3, dtype=torch.float64)
-            epoch_sums = torch.zeros(3, dtype=torch.float64)
+            if offset == 0:  # a resumed epoch goes on with the sums its checkpoint kept
+                self.records.epoch.zero_()
             for batches in self._steps():
                 loss, totals = self._train_step(batches)
-                sums += totals
-                epoch_sums += totals
+                self.records.add(totals)
                 self.report.advance(loss, epoch + 1)
                 if self.step % self.cfg.train.log_every == 0 or self.step == self.total:
-                    self._log_train(sums)
-                    sums.zero_()
+                    self._log_train()
                 if every and self.step % every == 0 and self.step < self.total:
                     self._evaluate(self.step / self.steps_per_epoch)
                 if self.cfg.train.checkpoint_every and self.step % self.cfg.train.checkpoint_every == 0:
                     self.checkpoint()
                 if self.step >= self.total or self.step % self.steps_per_epoch == 0 or self.stopped_by:
                     break
-                if every and self.step % every == 0 and self.reached_target:
+                if every and self.step % every == 0 and self.records.reached is not None:
                     break
-            epoch_loss = (float(epoch_sums[0]), int(epoch_sums[2]))
             if self.stopped_by:
                 break
             done_epoch = self.step % self.steps_per_epoch == 0
@@ -236,16 +203,6 @@ class Trainer:
                 self._evaluate(epoch + 1 if done_epoch else self.step / self.steps_per_epoch)
             if done_epoch and not self.cfg.train.checkpoint_every and not last:
                 self.checkpoint()
-        if self.finished and not self.evaluated and not self.stopped_by:
-            self._evaluate(self.step / self.steps_per_epoch)  # a resumed run stopped before its final evaluation
-        if self._saved != (self.step, len(self.history)):
-            self.checkpoint()
-        else:
-            self.repaired += check_replicas(self.model, self.optimizer, self.backend, self.step)
-        train_loss = epoch_loss[0] / epoch_loss[1] if epoch_loss[1] > 0 else None
-        summary = self.report.summary(self, train_loss, time.perf_counter() - start)
-        self.report.close()
-        return summary
 
     def _steps(self) -> Iterator[list[tuple[Tensor, Tensor]]]:
         """Yield the micro-batches of each step of the epoch (an incomplete last group is dropped)."""
@@ -306,10 +263,12 @@ class Trainer:
         if self.cfg.optim.clip_grad_norm > 0:  # on what is applied; the same on every rank (averaged)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.clip_grad_norm)
         self.backend.optimizer_step(self.optimizer)
+        self.backend.sync_buffers(self.model)  # rank 0's statistics, under every grad sync (DDP's broadcast is off)
         if self.ema is not None:
             self.ema.update_parameters(self.model)
         self._next_step()
         parts = self.timer.end_step(grad_launch=self.backend.last_grad_launch)
+        self.records.times.add(parts)
         self.report.step_timed(self.step, parts)
         if self.timer.tracing:
             with self.timer.outside():
@@ -317,21 +276,12 @@ class Trainer:
         return value, totals
 
     def _forward(self, x: Tensor) -> Tensor:
-        """Run the model; on the first step an error from inside torch is about the data's shape."""
-        if self.report.timings or self.skipped_steps:
-            return self.net(x)  # type: ignore[no-any-return]
+        """Run the model; an error it raises that the user can mend ends in one line (:func:`.explained`)."""
         try:
             return self.net(x)  # type: ignore[no-any-return]
-        except (RuntimeError, ValueError) as err:
-            frames = traceback.extract_tb(err.__traceback__)
-            if any(Path(f.filename).resolve().is_relative_to(_HOOKS) for f in frames):
-                raise  # raised in K-FAC's hooks: a bug of ours, keep the traceback
-            message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise UserError(
-                f"model.name={self.cfg.model.name} cannot run on this data ({self.image} images, "
-                f"data.batch_size={self.cfg.data.batch_size}): {message}. Raise data.image_size, or choose a model "
-                "made for this input size (e.g. resnet20 for 32 px)."
-            ) from None
+        except (RuntimeError, ValueError, AssertionError) as err:
+            data = f"{self.image} images, data.batch_size={self.cfg.data.batch_size}"
+            raise explained(err, self.cfg.model.name, data, self.step <= self._began) from None
 
     def _gradients_finite(self) -> bool:
         return all_finite([p.grad for p in self.model.parameters() if p.grad is not None])
@@ -374,7 +324,7 @@ class Trainer:
         # float16's gradients overflow while the loss scale finds its level: the scaler's business, not a fault.
         scaler_skip = self.precision.scaler is not None and flags[2] == 0
         self.nonfinite_in_row += 0 if scaler_skip else 1
-        self.skipped_steps += 1
+        self.records.skipped_steps += 1
         with torch.no_grad():
             for buffer, saved in zip(self.model.buffers(), self._buffers, strict=True):
                 buffer.copy_(saved)
@@ -395,7 +345,7 @@ class Trainer:
             self.variant, self.stages = auto.switch(self.kfac, traced, self.cfg, self.backend, build.stages)
 
     def _evaluate(self, epoch: float) -> None:
-        seconds = self.train_seconds
+        seconds = self.records.train_seconds
         with self._not_training(), torch.no_grad():
             self._evaluate_now(epoch, seconds)
 
@@ -423,9 +373,11 @@ class Trainer:
         self.history.append(record)
         self.report.evaluation(record)
 
-    def _log_train(self, total: Tensor) -> None:
+    def _log_train(self) -> None:
         """Log the training metrics summed over ranks since the last log (no collective: the step made them)."""
+        total = self.records.interval
         if total[2] > 0:
             lr = self.optimizer.param_groups[0]["lr"]
             clip = self.kfac.mean_clip_scale() if self.kfac else None
             self.report.train_scalars(self.step, float(total[0] / total[2]), float(total[1] / total[2]), lr, clip)
+            total.zero_()

@@ -20,6 +20,7 @@ from kfacflow import UserError, build, rundir
 from kfacflow.config import RunConfig
 from kfacflow.launch import LOCAL_SIZE_VARS, RANK_VARS, command_line, continue_command, from_env, note_failure
 from kfacflow.recipe import to_yaml
+from kfacflow.records import finished_line, target_line
 from kfacflow.trainer import Trainer
 from kfacflow.usercode import UserCodeError
 
@@ -139,7 +140,7 @@ def _run(config_yaml: str, argv: list[str], announce: bool, rank: int) -> str | 
                 rundir.write_metadata(run_dir, to_yaml(saved), command)
         run_dir = Path(backend.broadcast_object(str(run_dir) if run_dir else None))
         trainer = Trainer.from_recipe(cfg, backend, run_dir)  # checks a resume before its folder is touched
-        if trainer.finished and trainer.evaluated:
+        if trainer.nothing_to_do:  # its budget done, or its target reached: nothing is written
             return _already_finished(trainer, run_dir, argv, announce)
         if cfg.resume and backend.rank == 0:
             rundir.write_metadata(run_dir, to_yaml(saved), command, resumed=True)
@@ -152,8 +153,6 @@ def _run(config_yaml: str, argv: list[str], announce: bool, rank: int) -> str | 
         if trainer.stopped_by:
             raise SystemExit(128 + trainer.stopped_by)
         return None
-    cuda = backend.device.type == "cuda"
-    summary["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated(backend.device) if cuda else None
     rundir.write_summary(run_dir, summary)
     if trainer.stopped_by:
         name = signal.Signals(trainer.stopped_by).name
@@ -174,13 +173,8 @@ def _run(config_yaml: str, argv: list[str], announce: bool, rank: int) -> str | 
                 flush=True,
             )
         raise SystemExit(128 + trainer.stopped_by)
-    if summary["stopped_at_accuracy"] is not None:
-        logger.info(
-            "train.stop_at_accuracy=%g reached: stopped at step %d of %d",
-            cfg.train.stop_at_accuracy,
-            trainer.step,
-            trainer.total,
-        )
+    if (line := target_line(summary, trainer.total)) is not None:
+        logger.info(line)
     logger.info(
         "val_acc %.4f val_loss %.4f after %d steps in %.1f s",
         summary["val_acc"],
@@ -197,14 +191,7 @@ def _already_finished(trainer: Any, run_dir: Path, argv: list[str], announce: bo
     """Say that a resumed run has nothing left to do; its folder stays as it is."""
     if trainer.rank != 0:
         return None
-    cfg = trainer.cfg
-    more = f"train.steps={2 * trainer.step}" if cfg.train.steps else f"train.epochs={2 * cfg.train.epochs}"
-    print(
-        f"resume: {run_dir} finished at step {trainer.step} of {trainer.total}; nothing to do. To train on, "
-        f"raise train.steps or train.epochs, e.g. {continue_command(run_dir, argv)} {more}",
-        file=sys.stderr,
-        flush=True,
-    )
+    print(finished_line(trainer, run_dir, continue_command(run_dir, argv)), file=sys.stderr, flush=True)
     if announce:
         print(run_dir, flush=True)
     return str(run_dir)

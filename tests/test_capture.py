@@ -154,7 +154,7 @@ def test_activation_checkpointing_is_an_error_not_a_mismatch(backend: TorchBacke
     model = Checkpointed().to(DT)
     pre = _pre(backend, model)
     x = torch.randn(4, 3, dtype=DT, requires_grad=True)
-    with pytest.raises(UserError, match=r"'fc' ran a forward pass after the last one.*checkpointing"):
+    with pytest.raises(UserError, match=r"'fc' ran forward during the backward pass.*checkpointing"):
         _step(model, pre, x, torch.tensor([0, 1, 0, 1]))
 
 

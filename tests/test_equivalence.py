@@ -158,6 +158,7 @@ def test_two_workers_equal_one_worker_with_double_batch(
         )
 
 
+@pytest.mark.slow  # the fixture's twelve runs
 def test_cases_really_differ(equivalence_runs: dict[tuple[str, int], Any]) -> None:
     """``reduce`` factors and plain SGD take other paths than the default: results must differ."""
     models = {case: _final_checkpoint(equivalence_runs[(case, 1)])["model"] for case in ("cholesky", "reduce", "sgd")}

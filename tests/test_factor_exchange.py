@@ -24,14 +24,20 @@ from kfacflow.config import DistConfig, KFACConfig
 from kfacflow.kfac.exchange import LocalSums, Rows
 from kfacflow.kfac.factors import gram_packed
 from kfacflow.kfac.finite import blend
+from kfacflow.kfac.stages import Absent
 
 XI = 0.75
+
+
+def _tensor(t: torch.Tensor | Absent) -> torch.Tensor:
+    assert isinstance(t, torch.Tensor), "every rank here has every factor"
+    return t
 
 
 def test_local_sums_by_hand() -> None:
     sent: list[tuple[str, torch.Tensor]] = []
     exchanging = [True]
-    sums = LocalSums(lambda: XI, lambda key, t: sent.append((key, t)), lambda: exchanging[0])
+    sums = LocalSums(lambda: XI, lambda key, t: sent.append((key, _tensor(t))), lambda: exchanging[0])
     f = [torch.tensor([float(2**i)], dtype=torch.float64) for i in range(5)]
     sums.push("a", f[0])  # the first step exchanges; no average yet: the factor whole
     assert sent[-1][0] == "a" and torch.equal(sent[-1][1], f[0]) and sums.sent == {"a": 1}
@@ -69,8 +75,10 @@ def test_rows_held_between_exchanges_are_the_factors_they_make() -> None:
     blocks = [torch.randn(3, 8, generator=gen, dtype=torch.float64) for _ in range(4)]
     sent: dict[str, list[torch.Tensor]] = {"rows": [], "packed": []}
     exchanging = [False]
-    as_rows = LocalSums(lambda: XI, lambda k, t: sent["rows"].append(t), lambda: exchanging[0], started={"a"})
-    as_packed = LocalSums(lambda: XI, lambda k, t: sent["packed"].append(t), lambda: exchanging[0], started={"a"})
+    as_rows = LocalSums(lambda: XI, lambda k, t: sent["rows"].append(_tensor(t)), lambda: exchanging[0], started={"a"})
+    as_packed = LocalSums(
+        lambda: XI, lambda k, t: sent["packed"].append(_tensor(t)), lambda: exchanging[0], started={"a"}
+    )
     assert as_rows.takes_rows("a", 4, 8) and not as_rows.takes_rows("a", 5, 8)  # at most half the width
     for i, r in enumerate(blocks):
         exchanging[0] = i == len(blocks) - 1

@@ -31,7 +31,7 @@ def _train(rank: int, world: int, out: str, runs: dict[str, list[str]]) -> dict[
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     from kfacflow.comm.torch_dist import TorchBackend
-    from kfacflow.kfac.grad_sync import GradientAllreduce
+    from kfacflow.kfac.gradients import GradientAllreduce
     from kfacflow.kfac.preconditioner import Preconditioner
     from kfacflow.recipe import load
     from kfacflow.trainer import Trainer
@@ -107,7 +107,7 @@ inverse: {kind: cubic, alpha: 1.0e-4, beta: 1.0e-10}
 def _route(rank: int, world: int, out: str, runs: dict[str, list[str]]) -> dict[str, Any]:
     """Train each run with a profile (so the plan may route gradients); note, per step, what went to owners."""
     from kfacflow.comm.torch_dist import TorchBackend
-    from kfacflow.kfac.grad_sync import EVERY_RANK, GradientAllreduce, ToOwners
+    from kfacflow.kfac.gradients import EVERY_RANK, GradientAllreduce, ToOwners
     from kfacflow.kfac.preconditioner import Preconditioner
     from kfacflow.recipe import load
     from kfacflow.trainer import Trainer

@@ -123,6 +123,39 @@ def test_a_bad_argument_is_one_clear_error(
         one_rank(**kwargs)()
 
 
+def _frozen() -> torch.nn.Module:
+    model = make_model()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("model", "kwargs", "message"),
+    [
+        pytest.param(lambda: torch.nn.Sequential(torch.nn.ReLU()), {}, "it has no parameters", id="no-parameters"),
+        pytest.param(_frozen, {}, "every parameter is frozen", id="all-frozen"),
+        pytest.param(lambda: torch.nn.LayerNorm(3), {}, "no Linear or Conv2d layer", id="no-layer"),
+        pytest.param(lambda: None, {}, "model is 'NoneType', not a torch.nn.Module", id="none"),
+        pytest.param(lambda: list(make_model().parameters()), {}, "model is 'list'", id="parameters-not-model"),
+        pytest.param(lambda: make_model().to("meta"), {}, "parameters are on meta, but", id="another-device"),
+        pytest.param(make_model, {"device": "cuda"}, "torch sees no CUDA device", id="no-cuda"),
+        pytest.param(make_model, {"backend": None}, "backend=None", id="backend-none"),
+        pytest.param(make_model, {"grad_scaler": 2.0}, "not a torch.amp.GradScaler", id="grad-scaler"),
+        pytest.param(make_model, {"accumulate": True}, "accumulate=True", id="accumulate-bool"),
+        pytest.param(make_model, {"lr": "0.1"}, "lr at step 0 is '0.1'", id="lr-string"),
+    ],
+)
+def test_a_model_or_argument_no_preconditioner_can_take_is_one_user_error(
+    model: Callable[[], Any], kwargs: dict[str, Any], message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if kwargs.get("device") == "cuda" and torch.cuda.is_available():
+        pytest.skip("CUDA is here: device='cuda' is no mistake")
+    _one_process(monkeypatch)
+    with pytest.raises(UserError, match=re.escape(message)):
+        kfacflow.KFACPreconditioner(model(), "d", **kwargs)
+
+
 def test_kl_clipping_needs_the_learning_rate(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)

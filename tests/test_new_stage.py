@@ -25,7 +25,8 @@ from kfacflow.comm.base import Backend
 from kfacflow.config import KFACConfig, at_least
 from kfacflow.kfac import options
 from kfacflow.kfac.fusion import Policy, Ready, plan_launches
-from kfacflow.kfac.grad_sync import Deferred, GradientAllreduce
+from kfacflow.kfac.grad_sync import Deferred
+from kfacflow.kfac.gradients import GradientAllreduce
 from kfacflow.kfac.placement import round_robin, schedule
 from kfacflow.kfac.stages import FusionOptions, Waiting
 from kfacflow.perf import Profile

@@ -164,6 +164,11 @@ def _assert_resumed_equals_full(runs: dict[str, Any], resumed: str, full: str, n
     full_summary = json.loads((runs["dirs"][full] / "summary.json").read_text())
     assert summary["val_loss"] == pytest.approx(full_summary["val_loss"], rel=1e-10)
     assert summary["val_acc"] == full_summary["val_acc"]
+    # Every figure is the whole run's, but those of the clock (tests/test_run_records.py checks them).
+    clock = {"seconds", "step_time_median_s", "breakdown_mean_s", "history"}
+    assert summary.keys() == full_summary.keys()
+    for key in summary.keys() - clock:
+        _assert_tree_close(summary[key], full_summary[key], key)
 
 
 @pytest.mark.slow

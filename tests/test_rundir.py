@@ -131,6 +131,10 @@ def _earlier_life(run_dir: Path) -> None:
     (run_dir / "metrics.csv").write_text("\n".join(csv))
 
 
+def _evaluation(step: int) -> dict[str, float]:
+    return {"epoch": step / 4, "step": step, "seconds": 1.0, "val_loss": 0.75, "val_acc": 0.5}
+
+
 def _rows(path: Path) -> list[tuple[int, str]]:
     """The (step, kind) of every row of metrics.csv (after its header) or metrics.jsonl."""
     lines = path.read_text().splitlines()
@@ -150,7 +154,7 @@ def test_a_resume_drops_the_rows_logged_after_its_checkpoint(tmp_path: Path, kin
     _earlier_life(tmp_path)
     cfg = load(["recipes/quickstart.yaml"], [f"train.metrics={kind}", "train.progress=false"])
     log = RunLog(cfg, tmp_path, rank=0)
-    log.open(4, 10, evaluated)  # resumed from the checkpoint of step 4
+    log.open(4, 10, [_evaluation(4)] if evaluated else [])  # resumed from the checkpoint of step 4
     log.step_timed(5, {"total": 0.25})
     log.train_scalars(5, 0.75, 0.625, 0.1)
     log.close()
@@ -163,3 +167,46 @@ def test_a_resume_drops_the_rows_logged_after_its_checkpoint(tmp_path: Path, kin
     timed = [json.loads(line)["step"] for line in (tmp_path / "timings.jsonl").read_text().splitlines()]
     assert timed == [1, 2, 3, 4, 5]
     assert not [p.name for p in tmp_path.iterdir() if ".tmp" in p.name]
+
+
+def test_a_resume_drops_a_training_row_its_checkpoint_goes_on_from(tmp_path: Path) -> None:
+    # The process stopped after step 4 between two training rows: it wrote one for its last steps, which the
+    # checkpoint still counts towards the next row (logged=False). Its timing rows stay.
+    from kfacflow.recipe import load
+    from kfacflow.runlog import RunLog
+
+    _earlier_life(tmp_path)
+    log = RunLog(load(["recipes/quickstart.yaml"], ["train.metrics=jsonl", "train.progress=false"]), tmp_path, rank=0)
+    log.open(4, 10, [_evaluation(4)], logged=False)
+    log.close()
+    assert _rows(tmp_path / "metrics.jsonl") == [(2, "train"), (4, "val")]
+    assert [json.loads(line)["step"] for line in (tmp_path / "timings.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_a_resume_keeps_in_tensorboard_what_its_checkpoint_holds_at_its_step(tmp_path: Path) -> None:
+    # TensorBoard hides every event from a resume's purge_step on: the training row and the evaluation of the
+    # checkpoint's own step are written again.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from kfacflow.recipe import load
+    from kfacflow.runlog import RunLog
+
+    cfg = load(["recipes/quickstart.yaml"], ["train.progress=false"])
+    log = RunLog(cfg, tmp_path, rank=0)
+    log.open(0, 10, [])
+    for step in (3, 4):
+        log.step_timed(step, {"total": 0.5})
+    log.train_scalars(4, 0.5, 0.25, 0.1)
+    log.evaluation(_evaluation(4))
+    state = log.state_dict()  # the checkpoint of step 4; the process went on, then died
+    log.train_scalars(6, 0.25, 0.5, 0.1)
+    log.close()
+    resumed = RunLog(cfg, tmp_path, rank=0)
+    resumed.load_state_dict(state)
+    resumed.open(4, 10, [_evaluation(4)])
+    resumed.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(4, 0.5)]
+    assert [(e.step, e.value) for e in events.Scalars("val/acc")] == [(4, 0.5)]
+    assert [e.step for e in events.Scalars("time/step_s")] == [4]

@@ -89,9 +89,11 @@ def test_bench_measures_a_profile_with_the_fit_tool_where_none_is_given(
 def test_every_bench_configuration_is_a_valid_recipe(ablation: str) -> None:
     """A configuration whose stages do not fit together would fail only once its run starts, minutes into a sitting."""
     recipe = str(ROOT / "recipes" / "resnet18_synthetic.yaml")
+    # placing layers by their measured work needs inverses less often than every step (its command: --intervals 1/10)
+    intervals = ["kfac.inv_update_freq=10"] if ablation == "measured" else []
     for config in bench.CONFIGS[ablation].values():
         path, options, overrides = bench.script(config)
-        build.check(load([recipe], overrides))
+        build.check(load([recipe], [*overrides, *intervals]))
         if path != "run.py":  # a loop of its own takes its options before the recipe
             assert path == bench.LOOP and (ROOT / path).is_file()
             assert bench_loop.parse([*options, recipe, *overrides])[1] == overrides
@@ -573,7 +575,8 @@ def test_simulated_inverse_period_matches_hand_computation() -> None:
 
 def test_simulated_gradients_to_owners_in_backward_by_hand() -> None:
     from kfacflow.config import KFACConfig
-    from kfacflow.kfac.grad_sync import EVERY_RANK, InBackward, ToOwners
+    from kfacflow.kfac.grad_sync import InBackward
+    from kfacflow.kfac.gradients import EVERY_RANK, ToOwners
     from kfacflow.perf import InverseModel, LinearModel, Profile
     from kfacflow.replay import Link, Replay
 

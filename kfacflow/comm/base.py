@@ -119,6 +119,43 @@ class Backend(ABC):
         """Receive into ``tensor`` what rank ``src`` sent with ``tag`` (K-FAC group; :attr:`direct`)."""
         raise NotImplementedError(f"{type(self).__name__} sends nothing point to point")
 
+    def broadcast_state(self, tensors: Sequence[Tensor]) -> None:
+        """Overwrite ``tensors`` on every rank with rank 0's bits: one blocking broadcast per device.
+
+        Their bytes travel end to end whatever their dtypes (float statistics, integer counters),
+        so a model's buffers take one collective, as in DDP's coalesced broadcast.
+        """
+        if self.world_size == 1:
+            return
+        by_device: dict[torch.device, list[Tensor]] = {}
+        for tensor in tensors:
+            by_device.setdefault(tensor.device, []).append(tensor)
+        for group in by_device.values():
+            # Widest elements first: each piece then starts at a multiple of its element size, as a view needs.
+            group.sort(key=lambda t: -t.element_size())
+            flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in group])
+            self._broadcast_from_rank0(flat)
+            offset = 0
+            with torch.no_grad():
+                for tensor in group:
+                    nbytes = tensor.numel() * tensor.element_size()
+                    tensor.copy_(flat[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape))
+                    offset += nbytes
+
+    def _broadcast_from_rank0(self, flat: Tensor) -> None:
+        """Overwrite ``flat`` with rank 0's, blocking (K-FAC's group, unless the engine has a better one)."""
+        self.broadcast_async(flat, 0).wait()
+
+    def sync_buffers(self, model: nn.Module) -> None:
+        """Give every rank rank 0's buffers (BatchNorm's running statistics): DDP's semantics, after every step.
+
+        DDP broadcasts them only at a forward pass that follows a backward pass it averaged, and
+        Horovod and a plain model in the library API never do: where kfacflow averages the gradients
+        after a backward pass run under ``no_sync``, each rank's statistics would drift apart on
+        their own data, and each rank would evaluate (and the checkpoint hold) another model.
+        """
+        self.broadcast_state(list(model.buffers()))
+
     @abstractmethod
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """Return ``model`` set up so that ``backward()`` leaves gradients averaged over ranks."""

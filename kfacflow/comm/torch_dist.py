@@ -143,6 +143,7 @@ class TorchBackend(Backend):
         self.local_rank = local_rank(cfg, self.rank, self.world_size, self.joined)
         self.local_world_size = from_env(LOCAL_SIZE_VARS) or 1
         self.device = pick_device(cfg.device, self.local_rank)
+        self.find_unused = cfg.find_unused_parameters
         self._group: Any = None
         self._objects: Any = None
         self._patient: Any = None
@@ -265,12 +266,24 @@ class TorchBackend(Backend):
             return super().gather_async(piece, counts)
         return scatter.gather_from_owners(piece, counts, self.rank, self._group, self.in_order)
 
+    def _broadcast_from_rank0(self, flat: Tensor) -> None:
+        """On the job's group, as DDP's own broadcast: nothing of K-FAC's still in flight queues ahead of it."""
+        dist.broadcast(flat, src=0)
+
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        """Wrap in DDP when there is more than one worker."""
+        """Wrap in DDP when there is more than one worker.
+
+        DDP's broadcast of the buffers at a forward pass is off (it starts every rank from rank 0's
+        buffers all the same): it runs only after a backward pass DDP averaged, which a grad sync
+        that averages after the backward pass never runs, so :meth:`sync_buffers` does it after every
+        step under every grad sync, and nothing is sent twice.
+        """
         if self.world_size == 1:
             return model
         ids = [self.device.index] if self.device.type == "cuda" else None
-        ddp = DistributedDataParallel(model, device_ids=ids)
+        ddp = DistributedDataParallel(
+            model, device_ids=ids, forward_sync_buffers=False, find_unused_parameters=self.find_unused
+        )
 
         def timed_allreduce(state: Any, bucket: Any) -> torch.futures.Future[Tensor]:
             self.last_grad_launch = self.clock()

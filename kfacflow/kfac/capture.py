@@ -1,139 +1,50 @@
-"""Stage *factor* in the hooks: each layer's A and G from all its calls and micro-batches of a step.
+"""Stage *factor* in the hooks: each layer's A and G from all its calls and forward passes of a step.
 
 A layer hands its factors to the communicate stage as soon as they are complete, which for
-the usual layer called once per forward pass is at once (SPD's pipelining). Two things make a
-step's factors span several captures, and both are combined here so that one all-reduce
-carries the step's factors:
+the usual layer called once per forward pass is at once (SPD's pipelining). A step's calls of a
+layer are all rows of its factors, so that one all-reduce carries the step's factors, and they are
+the factors one pass over all of the step's inputs would give:
 
-- **Micro-batches** (gradient accumulation): ``k`` forward/backward passes of ``N`` examples
-  whose losses are each divided by ``k``. A is the mean of every row of every pass; G is
-  computed as one batch of ``k N`` examples would give it: ``G = k N sum g g^T`` over the
-  output gradients of all passes (each pass's hook computes ``N sum g g^T``).
+- **Several forward passes a step**: gradient accumulation's ``k`` micro-batches of ``N`` examples
+  (each one forward and one backward pass, each loss divided by ``k``), or several passes before
+  one backward pass (two views of each example, as SimCLR trains). A is the mean of every row of
+  every pass; G is computed as one batch of all the passes' examples would give it:
+  ``G = k N sum g g^T`` over the output gradients of all passes (each hook computes ``N sum g g^T``).
 - **Several calls per forward pass** (one module applied twice: shared weights): each call's
   rows count as more rows of the same examples, as K-FAC-expand treats weight sharing
   (Eschenhagen et al. 2023): A averages the rows of every call and the G of the calls add up.
+- **A model trained through its methods** (``model.encode_image``, ``model.encode_text``), which no
+  hook on the model sees: the calls since the last step are one pass.
 
-How many times each layer runs per forward pass is learnt on the first capturing step, when
-the factors are handed over only once the forward (A) and backward (G) passes are over; layers
-whose forward never ran (e.g. ``MultiheadAttention.out_proj``, whose weight it uses directly)
-or whose output got no gradient are then left to the plain optimizer. From then on a layer
-that runs more often than it did is an error, never a silent mismatch.
+How many times each layer runs per forward pass, and how many passes a step has, is learnt on the
+first capturing step (:mod:`~kfacflow.kfac.first_step`), when the factors are handed over only
+once the forward (A) and backward (G) passes are over; layers whose forward never ran (e.g.
+``MultiheadAttention.out_proj``, whose weight it uses directly) or whose output got no gradient
+are then left to the plain optimizer. From then on a layer that runs more often than it did is
+an error, never a silent mismatch. With several ranks the factors go out through a
+:class:`~kfacflow.kfac.handover.Handover`, in one order every rank agrees on.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from kfacflow import UserError
-from kfacflow.kfac.exchange import Contribution, Rows
-from kfacflow.kfac.factors import ExpandFactors
+from kfacflow.kfac.factor_parts import FactorParts
+from kfacflow.kfac.first_step import NOT_CALLED, learn_uses, merged_calls, more_calls, other_passes, recomputed
+from kfacflow.kfac.handover import Handover, placeholders
+from kfacflow.kfac.inverse import warn_once
+from kfacflow.kfac.layer_sums import LayerCapture, Sum, call_input, full_precision, leading, unscaled
 from kfacflow.kfac.layers import KFACLayer
-from kfacflow.kfac.packing import pack
-from kfacflow.kfac.stages import FactorStage
+from kfacflow.kfac.stages import FactorStage, layer_of
 from kfacflow.timing import StepTimer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Sum:
-    """``sum_i w_i t_i`` over packed factors; a single contribution is kept unscaled (no rounding).
-
-    A single contribution may be a factor's rows (:class:`~kfacflow.kfac.exchange.Rows`): only one is
-    handed over that way (a layer called once a step).
-    """
-
-    value: Any
-    weight: float
-    total_weight: float = 0.0
-    parts: int = 1
-
-    def __post_init__(self) -> None:
-        self.total_weight = self.weight
-
-    def add(self, value: Contribution, weight: float) -> None:
-        """Add ``weight * value``."""
-        assert isinstance(value, Tensor) and isinstance(self.value, Tensor), "rows come only from a single call"
-        if self.parts == 1:
-            self.value = self.value * self.weight
-        self.value.add_(value, alpha=weight)
-        self.total_weight += weight
-        self.parts += 1
-
-
-def unscaled(grad: Tensor, scale: Tensor | None, dtype: torch.dtype) -> Tensor:
-    """``grad`` without the loss scale ``scale`` (``None``: not scaled), in ``dtype``.
-
-    Unscaled first, in at least float32, then cast: a scaled gradient cast to float16 first
-    overflows (65504 is float16's largest number), and the factor is then never averaged in.
-    A loss scale is a power of two, so the division itself is exact.
-    """
-    if not isinstance(scale, Tensor):
-        return grad.to(dtype)
-    wide = torch.promote_types(grad.dtype, torch.float32)
-    return (grad.to(wide) / scale.to(wide)).to(dtype)
-
-
-def _offers(stage: object, packed: str, full: str) -> bool:
-    """Whether ``stage``'s ``packed`` method gives what its ``full`` one does.
-
-    Only where ``packed`` is defined at least as far down the class tree as ``full``: a subclass of a
-    shipped stage that overrides ``a_factor_rows`` alone must not have its factor replaced by the
-    inherited triangle of the parent's.
-    """
-    packed_owner, full_owner = (next((c for c in type(stage).__mro__ if n in vars(c)), None) for n in (packed, full))
-    return packed_owner is not None and full_owner is not None and issubclass(packed_owner, full_owner)
-
-
-@dataclass
-class _LayerCapture:
-    """One layer's factors of the current step, while its calls come in."""
-
-    a: _Sum | None = None
-    g: _Sum | None = None
-    examples: int = 0
-    """Examples of the step: the batch of the layer's first call in each micro-batch."""
-    a_calls: int = 0
-    """Forward calls in the current micro-batch."""
-    g_calls: int = 0
-    """Output gradients in the current micro-batch."""
-    a_sent: bool = False
-    g_sent: bool = False
-    calls_seen: list[int] = field(default_factory=list)
-    """Forward calls of every finished micro-batch (the first step learns ``uses`` from it)."""
-
-    def a_factor(self) -> Contribution:
-        """A over every row of the step."""
-        assert self.a is not None
-        return self.a.value if self.a.parts == 1 else self.a.value / self.a.total_weight
-
-    def g_factor(self) -> Contribution:
-        """G as one batch of all the step's examples gives it (each part was added with weight 1/N)."""
-        assert self.g is not None
-        return self.g.value if self.g.parts == 1 else self.g.value * self.examples
-
-
-def _input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor | None:
-    """The input of a Linear or Conv2d call, by position or as ``input=`` (None: the module's forward will say)."""
-    x = args[0] if args else kwargs.get("input")
-    return x if isinstance(x, Tensor) else None
-
-
-def _own(rows: Tensor, source: Tensor) -> Tensor:
-    """``rows``, copied where they view ``source``: held until an exchange, they must not follow a reused buffer."""
-    return rows.clone() if rows.untyped_storage().data_ptr() == source.untyped_storage().data_ptr() else rows
-
-
-def _full_precision(t: Tensor) -> torch.autocast:
-    """Autocast off on ``t``'s device: a factor's products are computed in its own dtype, not the forward's."""
-    return torch.autocast(t.device.type, enabled=False)
 
 
 class Capture:
@@ -154,6 +65,8 @@ class Capture:
             and output gradients of another dtype (mixed precision) are cast to it first.
         keep: Examples of each forward pass the factors are estimated from (``kfac.factor_examples``; 0: all):
             the leading ``keep / N`` of every layer input's and output gradient's first dimension.
+        gather: With several ranks, every rank's picklable object (collective): the ranks agree on which
+            layers run and in what order their factors go out (:mod:`~kfacflow.kfac.handover`).
     """
 
     def __init__(
@@ -165,27 +78,16 @@ class Capture:
         accumulate: int = 1,
         dtype: torch.dtype = torch.float32,
         keep: int = 0,
+        gather: Callable[[Any], list[Any]] | None = None,
     ) -> None:
         self.layers = layers
         self.keep = keep
         self.dtype = dtype
         self.grad_scale: Tensor | None = None
         """The loss scale of this step's backward pass (fp16 mixed precision): G is of the unscaled gradients."""
-        self.factors = factors
-        self._packs_a = _offers(factors, "a_factor_packed", "a_factor_rows")
-        """Whether the stage computes A's packed triangle itself (and ``_packs_g``, G's)."""
-        self._packs_g = _offers(factors, "g_factor_packed", "g_factor")
-        self._rows_are_factors = isinstance(factors, ExpandFactors) and all(
-            getattr(type(factors), name) is getattr(ExpandFactors, name)
-            for name in ("a_factor_packed", "g_factor_packed", "a_factor_rows", "g_factor")
-        )
-        """Whether the stage's factors are the Gram matrices of its ``a_rows`` and ``g_rows`` (the shipped ones)."""
-        self.takes_rows: Callable[[str, int, int], bool] | None = None
-        """Where ``push`` takes a factor as its rows (:class:`~kfacflow.kfac.exchange.Rows`): whether it takes
-        ``rows`` more of the ``width``-wide factor ``key`` (``kfac.factor_exchange=inversion``); ``None``: never."""
-        self._row_counts: dict[str, int] = {}
-        """Each layer's rows at its last capture (A's and G's are as many)."""
+        self.parts = FactorParts(factors, dtype)
         self.push = push
+        self.handover = Handover(lambda key, factor: self.push(key, factor), gather)
         self.timer = timer
         self.accumulate = accumulate
         self.active = True
@@ -193,9 +95,15 @@ class Capture:
         """Forward calls per pass of each layer kept, learnt on the first capturing step."""
         self.micro = 0
         """Forward passes finished in this step (``end_forward`` calls)."""
+        self.passes: int | None = None
+        """Forward passes per step, learnt on the first capturing step: ``accumulate`` micro-batches, or several
+        passes before one backward pass (two views of each example): their rows count as more rows of the step."""
+        self._passes = 0
+        self._forward_closed = self._in_backward = self._model_called = False
         self._open = False
         """Whether a forward pass has captured since the last ``end_forward``."""
-        self.captures: dict[str, _LayerCapture] = {}
+        self.captures: dict[str, LayerCapture] = {}
+        self._calls: dict[str, int] = {}
         self._a_order: list[str] = []
         self._g_order: list[str] = []
         self._forward_start: dict[str, float] = {}
@@ -225,37 +133,30 @@ class Capture:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if not self.capturing(module):
                 return
-            if self.micro >= self.accumulate:
-                raise UserError(
-                    f"kfac: layer {layer.name!r} ran a forward pass after the last one of the step "
-                    f"({self.accumulate} per step): K-FAC cannot tell a recomputation (activation "
-                    "checkpointing) or an extra forward from a new micro-batch. Turn checkpointing off, or "
-                    f"add {layer.name!r} to kfac.skip."
-                )
-            given = _input(args, kwargs)
+            if self._in_backward or (self.passes is not None and self.micro >= self.passes):
+                raise recomputed(layer.name, self.passes)
+            given = call_input(args, kwargs)
             if given is None:
                 return
             x = given.detach()
             self._open = True
-            cap = self.captures.setdefault(layer.name, _LayerCapture())
+            cap = self.captures.setdefault(layer.name, LayerCapture())
             if cap.a_calls == 0:
                 cap.examples += self._examples(x)
                 if layer.name not in self._a_order:
                     self._a_order.append(layer.name)
             cap.a_calls += 1
+            cap.a_total += 1
             if self.uses is not None and cap.a_calls > self.uses.get(layer.name, 0):
-                raise UserError(
-                    f"kfac: layer {layer.name!r} ran {cap.a_calls} times in one forward pass but "
-                    f"{self.uses.get(layer.name, 0)} times in the first; K-FAC needs the same calls every step "
-                    f"(add {layer.name!r} to kfac.skip)."
-                )
-            with torch.no_grad(), _full_precision(x), self.timer.span("FactorComp", f"{layer.name}/A", "factor"):
-                packed, rows = self._a_part(layer, module, layer.layer_input(self._kept(x).to(self.dtype)))
+                raise more_calls(layer.name, cap.a_calls, self.uses.get(layer.name, 0))
+            with torch.no_grad(), full_precision(x), self.timer.span("FactorComp", f"{layer.name}/A", "factor"):
+                x_in = layer.layer_input(self._kept(x).to(self.dtype))
+                packed, rows = self.parts.a_part(layer, module, x_in, self._once(layer))
             if cap.a is None:
-                cap.a = _Sum(packed, float(rows))
+                cap.a = Sum(packed, float(rows))
             else:
                 cap.a.add(packed, float(rows))
-            if self._last_call(layer, cap.a_calls, self.micro):
+            if self._last_call(layer, cap.a_total):
                 self._send(layer, "A", cap)
             self._forward_start[layer.name] = self.timer.now()
 
@@ -263,7 +164,7 @@ class Capture:
 
     def _g_hook(self, layer: KFACLayer) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Tensor], None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Tensor) -> None:
-            given = _input(args, kwargs)
+            given = call_input(args, kwargs)
             if not self.capturing(module) or given is None or not isinstance(output, Tensor):
                 return
             if not output.requires_grad:
@@ -275,17 +176,25 @@ class Capture:
 
             def grad_hook(grad: Tensor) -> None:
                 cap = self.captures[layer.name]
-                cap.g_calls += 1
+                cap.g_total += 1
+                self._in_backward = True
                 if layer.name not in self._g_order:
                     self._g_order.append(layer.name)
                 kept = self._kept(grad, batch)
-                with torch.no_grad(), _full_precision(grad), self.timer.span("FactorComp", f"{layer.name}/G", "factor"):
-                    packed = self._g_part(layer, module, self._unscaled(kept), batch, grad.shape[0] / kept.shape[0])
+                with torch.no_grad(), full_precision(grad), self.timer.span("FactorComp", f"{layer.name}/G", "factor"):
+                    packed = self.parts.g_part(
+                        layer,
+                        module,
+                        unscaled(kept, self.grad_scale, self.dtype),
+                        batch,
+                        grad.shape[0] / kept.shape[0],
+                        self._once(layer),
+                    )
                 if cap.g is None:
-                    cap.g = _Sum(packed, 1.0 / batch)
+                    cap.g = Sum(packed, 1.0 / batch)
                 else:
                     cap.g.add(packed, 1.0 / batch)
-                if self._last_call(layer, cap.g_calls, self.micro - 1):
+                if self._last_call(layer, cap.g_total):
                     self._send(layer, "G", cap)
 
             output.register_hook(grad_hook)
@@ -296,81 +205,30 @@ class Capture:
         return self.examples if self.examples is not None else x.shape[0]
 
     def _kept(self, t: Tensor, examples: int | None = None) -> Tensor:
-        """The leading part of ``t`` the factors are estimated from: ``keep`` of its ``N`` examples' share of dim 0.
+        return leading(t, self._examples(t) if examples is None else examples, self.keep)
 
-        The first ``keep`` examples of a batch-first input, and the same share of the rows of any other
-        (``(S, N, E)``: the first positions of every example), so G's scale ``N sum g gᵀ`` is that of
-        the whole once multiplied by ``t.shape[0] / kept.shape[0]``.
-        """
-        n = self._examples(t) if examples is None else examples
-        if not self.keep or self.keep >= n:
-            return t
-        return t[: max(1, -(-t.shape[0] * self.keep // n))]
+    def _once(self, layer: KFACLayer) -> bool:
+        """Whether the layer runs once a step (one pass, one call): its factor's rows are then its factor's."""
+        return self.passes == 1 and self.uses is not None and self.uses.get(layer.name) == 1
 
-    def _as_rows(self, layer: KFACLayer, side: str, width: int) -> bool:
-        """Whether this step hands a factor over as its rows (a layer called once, one micro-batch, 32 bits or more)."""
-        rows = self._row_counts.get(layer.name)
-        return (
-            self.takes_rows is not None
-            and self._rows_are_factors
-            and rows is not None
-            and self.accumulate == 1
-            and self.uses is not None
-            and self.uses.get(layer.name) == 1
-            and self.dtype.itemsize >= 4
-            and self.takes_rows(f"{layer.name}/{side}", rows, width)
-        )
+    def _last_call(self, layer: KFACLayer, calls: int) -> bool:
+        """Whether the step's ``calls`` complete the layer's factor (known only once ``uses`` is learnt)."""
+        return self.uses is not None and self.passes is not None and calls == self.uses[layer.name] * self.passes
 
-    def _a_part(self, layer: KFACLayer, module: nn.Module, x: Tensor) -> tuple[Contribution, int]:
-        """A's packed triangle, or its rows where they are taken, and the row count."""
-        if self._as_rows(layer, "A", layer.a_dim):
-            a = _own(self.factors.a_rows(module, x), x)  # type: ignore[attr-defined]
-            self._row_counts[layer.name] = a.shape[0]
-            return Rows(a, 1.0 / a.shape[0]), a.shape[0]
-        packed, rows = self._a_packed(module, x)
-        self._row_counts[layer.name] = rows
-        return packed, rows
-
-    def _g_part(self, layer: KFACLayer, module: nn.Module, grad: Tensor, batch: int, share: float) -> Contribution:
-        """G's packed triangle, or its rows (``batch * gᵀg``) where they are taken, times ``share``.
-
-        ``share``: how many times more leading rows the output gradient had than ``grad`` holds
-        (:meth:`_kept`); 1 where every example is kept.
-        """
-        if self._as_rows(layer, "G", layer.g_dim):
-            return Rows(_own(self.factors.g_rows(module, grad), grad), float(batch) * share)  # type: ignore[attr-defined]
-        packed = self._g_packed(module, grad, batch)
-        return packed if share == 1 else packed * share
-
-    def _a_packed(self, module: nn.Module, x: Tensor) -> tuple[Tensor, int]:
-        """A's packed triangle and row count; straight from a stage that computes the triangle alone."""
-        if self._packs_a:
-            return self.factors.a_factor_packed(module, x)  # type: ignore[attr-defined,no-any-return]
-        factor, rows = self.factors.a_factor_rows(module, x)
-        return pack(factor), rows
-
-    def _g_packed(self, module: nn.Module, grad: Tensor, batch: int) -> Tensor:
-        if self._packs_g:
-            return self.factors.g_factor_packed(module, grad, batch)  # type: ignore[attr-defined,no-any-return]
-        return pack(self.factors.g_factor(module, grad, batch))
-
-    def _unscaled(self, grad: Tensor) -> Tensor:
-        """The output gradient without the loss scale, in the factor dtype (:func:`unscaled`)."""
-        return unscaled(grad, self.grad_scale, self.dtype)
-
-    def _last_call(self, layer: KFACLayer, calls: int, micro: int) -> bool:
-        """Whether this call completes the layer's factor (known only once ``uses`` is learnt)."""
-        return self.uses is not None and micro == self.accumulate - 1 and calls == self.uses[layer.name]
-
-    def _send(self, layer: KFACLayer, side: str, cap: _LayerCapture) -> None:
+    def _send(self, layer: KFACLayer, side: str, cap: LayerCapture) -> None:
         factor = cap.a_factor() if side == "A" else cap.g_factor()
-        self.push(f"{layer.name}/{side}", factor)  # the communicator times its part as FactorComm
+        self.handover.offer(side, f"{layer.name}/{side}", factor)  # the communicator times its part as FactorComm
         if side == "A":
             cap.a_sent = True
         else:
             cap.g_sent = True
 
     # --- step boundaries ------------------------------------------------------------------------------
+
+    def new_pass(self) -> None:
+        """The model's forward pass starts (its own hook): a forward call from now on is not a recomputation."""
+        self._in_backward = False
+        self._model_called = True
 
     def end_forward(self) -> bool:
         """Close a forward pass; return whether it was the step's last (A factors are all sent then).
@@ -383,10 +241,31 @@ class Capture:
         self.micro += 1
         for cap in self.captures.values():
             cap.calls_seen.append(cap.a_calls)
-            cap.a_calls = cap.g_calls = 0
-        if self.micro < self.accumulate:
+            cap.a_calls = 0
+        return self.passes is not None and self.micro == self.passes and self.close_forward()
+
+    def close_forward(self) -> bool:
+        """Send every A factor of the step not sent yet; return whether this did (once a step).
+
+        Called when the step's last forward pass ends, or else before its G factors go (the first step,
+        whose passes are not known until then; a model trained through methods other than ``forward``,
+        which no hook on the model sees: its calls since the last step are one pass).
+        """
+        if self._forward_closed:
             return False
+        if self._open:  # no end_forward: the model itself was not called
+            self.end_forward()
+            if not self._model_called:
+                warn_once(NOT_CALLED)
+        self._forward_closed = True
         self._send_rest("A")
+        if self.uses is not None:
+            self.handover.close("A", placeholders(self.layers, "A", self.dtype))
+            return True
+        calls = {name: max(cap.calls_seen) for name, cap in self.captures.items() if cap.a is not None}
+        absent = placeholders(self.layers, "A", self.dtype)
+        extras = self.handover.close("A", absent, (calls, self.micro), complete=False)
+        self._calls, self._passes = merged_calls(extras or [(calls, self.micro)])
         return True
 
     def finish(self) -> list[KFACLayer]:
@@ -396,15 +275,17 @@ class Capture:
             The layers dropped on the first step (never run, or no gradient); empty afterwards.
 
         Raises:
-            RuntimeError: If the step had another number of forward passes than ``accumulate``.
-            UserError: If no layer ran at all.
+            UserError: If the step had another number of forward passes than the first, or no layer ran at all.
         """
-        if self.micro != self.accumulate:
-            raise RuntimeError(
-                f"K-FAC expected {self.accumulate} forward passes (end_forward calls) before step(), got {self.micro}"
-            )
+        self.close_forward()
+        if self.micro != (self.passes if self.passes is not None else self._passes):
+            raise other_passes(self.micro, self.passes)
         self._send_rest("G")
-        return self._learn_uses() if self.uses is None else []
+        self.handover.close("G", placeholders(self.layers, "G", self.dtype), complete=self.uses is not None)
+        if self.uses is not None:
+            return []
+        self.passes = self._passes
+        return self._learn_uses()
 
     def _send_rest(self, side: str) -> None:
         """Send the factors of one side not sent yet, in the order they were first captured."""
@@ -420,41 +301,33 @@ class Capture:
         """Forget this step's captures (after the communicate stage returned them)."""
         self.micro = 0
         self.captures = {}
+        self._forward_closed = self._in_backward = self._model_called = False
+        self.handover.reset()
 
     def _learn_uses(self) -> list[KFACLayer]:
-        kept, dropped = [], []
-        for layer in self.layers:
-            cap = self.captures.get(layer.name)
-            if cap is None or cap.g is None:
-                why = "its forward never ran (its weight is used directly, as MultiheadAttention does with out_proj)"
-                if cap is not None:
-                    why = "its output got no gradient"
-                logger.info("K-FAC leaves %s to the optimizer: %s", layer.name, why)
-                dropped.append(layer)
-                continue
-            kept.append(layer)
-            if cap.calls_seen[-1] > 1:
-                logger.info(
-                    "K-FAC: %s runs %d times per forward pass (shared weights); each call's rows count in A and G",
-                    layer.name,
-                    cap.calls_seen[-1],
-                )
-        if not kept:
-            raise UserError(
-                "kfac: none of the model's Linear or Conv2d layers ran in the forward pass with a gradient "
-                "(use kfac.variant=sgd)."
-            )
-        self.set_uses({layer.name: self.captures[layer.name].calls_seen[-1] for layer in kept})
+        """Keep the layers that ran with a gradient on the first step (on some rank), with their calls per pass."""
+        agreed = self.handover.order
+        if agreed["A"] is not None and agreed["G"] is not None:  # several ranks: what ran on any of them
+            ran, got = {layer_of(k) for k in agreed["A"]}, {layer_of(k) for k in agreed["G"]}
+        else:
+            ran = {name for name, cap in self.captures.items() if cap.a is not None}
+            got = {name for name, cap in self.captures.items() if cap.g is not None}
+        uses, dropped = learn_uses(self.layers, ran, got, self._calls, several=agreed["A"] is not None)
+        self._keep(uses)
         return dropped
 
-    def set_uses(self, uses: dict[str, int]) -> None:
-        """Keep only the layers in ``uses`` (learnt, or restored from a checkpoint)."""
+    def set_uses(self, uses: dict[str, int], passes: int) -> None:
+        """Keep only the layers in ``uses``, with ``passes`` forward passes a step (restored from a checkpoint).
+
+        The ranks agree on the order of their factors again at the next step.
+        """
+        self._keep(uses)
+        self.passes = passes
+        self.handover.forget()
+
+    def _keep(self, uses: dict[str, int]) -> None:
+        self.drop({layer.name for layer in self.layers} - set(uses))
         self.uses = dict(uses)
-        for layer in self.layers:
-            if layer.name not in self.uses:
-                for handle in self._hooks.pop(layer.name, []):
-                    handle.remove()
-        self.layers = [layer for layer in self.layers if layer.name in self.uses]
 
     def drop(self, names: set[str]) -> None:
         """Stop capturing the layers ``names`` (they left K-FAC) and remove their hooks."""
@@ -464,6 +337,7 @@ class Capture:
         self.layers = [layer for layer in self.layers if layer.name not in names]
         if self.uses is not None:
             self.uses = {name: n for name, n in self.uses.items() if name not in names}
+        self.handover.keep({f"{layer.name}/{side}" for layer in self.layers for side in "AG"})
 
     def remove(self) -> None:
         """Remove the hooks."""

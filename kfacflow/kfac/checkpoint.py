@@ -30,6 +30,7 @@ def state_of(pre: Step) -> dict[str, Any]:
         "factors": dict(running),
         "inverses": {k: (v.kind, v.tensors) for k, v in inverses.items()},
         "layers": dict(pre.capture.uses) if pre.capture.uses is not None else None,
+        "passes": pre.capture.passes,
     }
 
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 
 import torch
 from torch import Tensor
 
 from kfacflow.comm.base import Backend, Handle
 from kfacflow.kfac.fusion import SCATTER, Grouper, Routing
-from kfacflow.kfac.stages import FusionPolicy, Waiting
+from kfacflow.kfac.stages import Absent, FusionPolicy, Waiting, side_of
 from kfacflow.timing import UNTIL, StepTimer
 
 logger = logging.getLogger(__name__)
@@ -25,6 +25,15 @@ logger = logging.getLogger(__name__)
 class FusedSum:
     """One asynchronous sum over ranks of several packed factors copied into one buffer.
 
+    With several ranks every rank also says, per factor, whether it has one (1) or sent zeros for a
+    layer that did not run on it (0; :class:`~kfacflow.kfac.handover.Absent`), in one element per
+    factor at the end of the buffer (of each owner's part, to owners). The averages follow what one
+    process would compute on every rank's examples: an A factor (the mean over a layer's inputs) is
+    the mean over the ranks that ran the layer; a G factor (a sum over the batch's examples, of which
+    those that never reached the layer add nothing) is the sum over ranks divided by every rank. A
+    factor no rank has is all NaN: left out of its running average, as a non-finite one is, with no
+    read of the device (:attr:`present` tells the two apart).
+
     Args:
         backend: Where it runs (its K-FAC group).
         items: ``(key, packed factor)`` pairs; all of one dtype and device.
@@ -32,6 +41,7 @@ class FusedSum:
         dst: The one rank that needs the sum (a reduction), ``None`` for every rank (an all-reduce),
             or :data:`SCATTER`: each factor to its owner (``owners``; ``items`` in rank order).
         owners: With :data:`SCATTER`, the owner of each item.
+        absent: The keys of ``items`` this rank has no factor of (it sends zeros).
     """
 
     def __init__(
@@ -41,18 +51,31 @@ class FusedSum:
         timer: StepTimer | None = None,
         dst: int | None = None,
         owners: Sequence[int] = (),
+        absent: Collection[str] = (),
     ) -> None:
         self.world_size = backend.world_size
         self.keys = [k for k, _ in items]
         self.sizes = [t.numel() for _, t in items]
-        self.buffer = torch.cat([t.reshape(-1) for _, t in items]) if len(items) > 1 else items[0][1]
+        self.counted = backend.world_size > 1
+        """Whether every factor travels with its count of ranks that have it (several ranks)."""
+        self.present: dict[str, Tensor] = {}
+        """After :meth:`wait`: per factor, whether any rank had it (on the device)."""
+        segments = [list(range(len(items)))]
+        if dst == SCATTER:
+            segments = [[i for i, o in enumerate(owners) if o == r] for r in range(self.world_size)]
+        parts: list[Tensor] = []
+        for segment in segments:  # each owner's factors, then their counts
+            parts += [items[i][1].reshape(-1) for i in segment]
+            if self.counted and segment:
+                parts.append(self._flags([items[i] for i in segment], set(absent)))
+        self.buffer = torch.cat(parts) if len(parts) > 1 else parts[0]
         self.mine = dst is None or dst == backend.rank
         self.handle: Handle
         if dst == SCATTER:
-            counts = [sum(m for m, o in zip(self.sizes, owners, strict=True) if o == r) for r in range(self.world_size)]
+            counts = [sum(self.sizes[i] for i in seg) + (len(seg) if self.counted else 0) for seg in segments]
             self.handle = backend.reduce_to_owners_async(self.buffer.view(-1), counts)
-            self.keys = [k for k, o in zip(self.keys, owners, strict=True) if o == backend.rank]
-            self.sizes = [m for m, o in zip(self.sizes, owners, strict=True) if o == backend.rank]
+            self.keys = [self.keys[i] for i in segments[backend.rank]]
+            self.sizes = [self.sizes[i] for i in segments[backend.rank]]
             self.mine = bool(self.keys)
         elif dst is None:
             self.handle = backend.allreduce_async(self.buffer)
@@ -66,6 +89,15 @@ class FusedSum:
         if timer is not None and timer.on_done(self.handle, self.name, "allreduce"):
             self.timer = None
 
+    @staticmethod
+    def _flags(items: list[tuple[str, Tensor]], absent: set[str]) -> Tensor:
+        """1 per factor this rank has, 0 per factor it sends zeros for (made on the device: no copy from the host)."""
+        flags = torch.ones(len(items), dtype=items[0][1].dtype, device=items[0][1].device)
+        for i, (key, _) in enumerate(items):
+            if key in absent:
+                flags[i] = 0.0
+        return flags
+
     def wait(self) -> dict[str, Tensor]:
         """Block until done; return the averaged factors by key (none on a rank a reduction is not for)."""
         result = self.handle.wait()
@@ -73,8 +105,17 @@ class FusedSum:
             self.timer.record(f"{self.name} {UNTIL}", "allreduce", self.t0, time.perf_counter())
         if not self.mine:
             return {}
-        avg = (result if self.scattered else self.buffer) / self.world_size
-        return dict(zip(self.keys, avg.split(self.sizes), strict=True))
+        data = result if self.scattered else self.buffer
+        if not self.counted:
+            return dict(zip(self.keys, (data / self.world_size).split(self.sizes), strict=True))
+        n = len(self.keys)
+        values, counts = data[:-n].split(self.sizes), data[-n:]
+        by_example = (counts > 0).to(counts.dtype) * self.world_size  # G: 0 where no rank had it, so 0 / 0
+        out = {}
+        for i, (key, value) in enumerate(zip(self.keys, values, strict=True)):
+            out[key] = value / (counts[i] if side_of(key) == "A" else by_example[i])
+            self.present[key] = counts[i] > 0
+        return out
 
 
 class Communicator:
@@ -99,6 +140,10 @@ class Communicator:
         self.inflight: list[FusedSum] = []
         self.routing: Routing | None = None
         """With ``kfac.factor_sync=owner``: where each factor is reduced."""
+        self.absent: set[str] = set()
+        """The keys of this step's factors this rank has none of (it sends zeros)."""
+        self.present: dict[str, Tensor] = {}
+        """Per factor of the last step, whether any rank had it (on the device: :attr:`FusedSum.present`)."""
         self.launches = 0
         """Groups launched so far (for tests and logs)."""
         self.reductions = 0
@@ -120,8 +165,14 @@ class Communicator:
         """The policy's planned groups, if it plans."""
         return self.policy.plan
 
-    def push(self, key: str, packed: Tensor) -> None:
-        """Take one local packed factor; launch what the policy says (timed as ``FactorComm``)."""
+    def push(self, key: str, packed: Tensor | Absent) -> None:
+        """Take one local packed factor (or the mark of one this rank lacks); launch what the policy says.
+
+        Timed as ``FactorComm``.
+        """
+        if isinstance(packed, Absent):
+            self.absent.add(key)
+            packed = packed.zeros()
         if self.timer is None:
             self._push(key, packed)
             return
@@ -161,9 +212,12 @@ class Communicator:
         """
         self._launch(self.grouper.end_backward())
         inflight, self.inflight = self.inflight, []
+        self.present = {}
         for op in inflight:
-            yield op.wait()
-        self._backward, self._fresh = False, True
+            averaged = op.wait()
+            self.present.update(op.present)
+            yield averaged
+        self._backward, self._fresh, self.absent = False, True, set()
         self.groups, self._groups = self._groups, []
         self._after_step()
 
@@ -172,14 +226,13 @@ class Communicator:
             items = [(k, self.pending.pop(k)) for k in keys]
             self._groups.append([(k, t.numel()) for k, t in items])
             if self.routing is None or self.backend.world_size == 1:
-                self.inflight.append(FusedSum(self.backend, items, self.timer))
+                self.inflight.append(FusedSum(self.backend, items, self.timer, absent=self.absent))
             else:
                 tensors = dict(items)
                 for dst, part in self.routing.parts(keys, {k: t.numel() for k, t in items}):
                     owners = [self.routing.owners[k] for k in part] if dst == SCATTER else ()
-                    self.inflight.append(
-                        FusedSum(self.backend, [(k, tensors[k]) for k in part], self.timer, dst, owners)
-                    )
+                    part_items = [(k, tensors[k]) for k in part]
+                    self.inflight.append(FusedSum(self.backend, part_items, self.timer, dst, owners, self.absent))
                     self.reductions += dst is not None and dst != SCATTER
                     self.scattered += dst == SCATTER
             self.launches += 1

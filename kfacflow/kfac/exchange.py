@@ -35,7 +35,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from kfacflow import UserError
+from kfacflow.comm.base import Backend
 from kfacflow.kfac.factors import gram_packed
+from kfacflow.kfac.stages import Absent, layer_of
 from kfacflow.timing import StepTimer
 
 
@@ -114,7 +117,7 @@ class LocalSums:
     def __init__(
         self,
         decay: Callable[[], float],
-        send: Callable[[str, Tensor], None],
+        send: Callable[[str, Tensor | Absent], None],
         exchanges: Callable[[], bool],
         started: set[str] | None = None,
         timer: StepTimer | None = None,
@@ -123,23 +126,39 @@ class LocalSums:
         self.timer = timer or StepTimer(torch.device("cpu"), enabled=False)
         self.started: set[str] = set(started or ())
         self.sums: dict[str, _Held] = {}
+        self._known: set[str] = set()
         self._step: dict[str, Contribution] = {}
         self.sent: dict[str, int] = {}
         """Per factor in flight, the factor updates its sum holds (the keeper's ``xi^k``)."""
+        self.absent: set[str] = set()
+        """The factors of layers that did not run on this rank at some step since the last exchange
+        (:meth:`refuse_absent`)."""
+        self.keys: list[str] = []
+        """Every factor pushed so far, in the order they came (the same on every rank)."""
 
     def takes_rows(self, key: str, rows: int, width: int) -> bool:
         """Whether ``rows`` more rows of the ``width``-wide factor ``key`` are held as rows (at most half the width)."""
         held = self.sums.get(key)
         return (held.rows if held is not None else 0) + rows <= width // 2
 
-    def push(self, key: str, factor: Contribution) -> None:
+    def push(self, key: str, factor: Contribution | Absent) -> None:
         """Take a factor of this step: held until :meth:`commit`, or sent in the sum where the step exchanges."""
+        if key not in self._known:
+            self._known.add(key)
+            self.keys.append(key)
+        if isinstance(factor, Absent):
+            self.absent.add(key)
+            if self.exchanges():
+                self.sent[key] = 0
+                self.send(key, factor)
+            return
         if not self.exchanges():
             self._step[key] = factor
             return
         held = self._with(key, factor)
         self.sent[key] = held.k
-        self.send(key, self._packed(key, held))
+        packed = self._packed(key, held)
+        self.send(key, Absent(packed.numel(), packed.dtype, packed.device) if key in self.absent else packed)
 
     def _packed(self, key: str, held: _Held) -> Tensor:
         if not held.blocks:
@@ -178,7 +197,30 @@ class LocalSums:
         for key in self.sent:
             self.sums.pop(key, None)
         self.started.update(self.sent)
-        self.sent = {}
+        self.sent, self.absent = {}, set()
+
+    def refuse_absent(self, backend: Backend) -> None:
+        """Stop on every rank where a layer did not run on some rank at some step since the last exchange (collective).
+
+        The exchange sums each rank's factors of many steps, and which ranks ran a layer may differ from
+        step to step: no count of ranks can weigh such a sum as the steps' own averages would have been
+        weighed (:class:`~kfacflow.kfac.communicator.FusedSum`). One small all-reduce an exchange.
+
+        Raises:
+            UserError: Naming the first such layer.
+        """
+        if backend.world_size == 1 or not self.keys:
+            return
+        flags = torch.tensor([float(key in self.absent) for key in self.keys], dtype=torch.float32)
+        lacking = [key for key, n in zip(self.keys, backend.allreduce_sum(flags).tolist(), strict=True) if n]
+        if lacking:
+            layer = layer_of(lacking[0])
+            raise UserError(
+                f"kfac: layer {layer!r} did not run on every rank at every step (a mixture of experts, early exit, "
+                "stochastic depth...): kfac.factor_exchange=inversion sums each rank's factors over many steps and "
+                f"cannot weigh them by the ranks that ran it. Use kfac.factor_exchange=update, or add {layer!r} to "
+                "kfac.skip."
+            )
 
     def drop(self) -> None:
         """Forget the step's factors (the step is skipped on every rank); the sums stay for the next exchange."""

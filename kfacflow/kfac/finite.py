@@ -36,13 +36,14 @@ class FiniteFlags:
         self._copied: list[tuple[list[tuple[str, int]], Tensor, torch.cuda.Event | None]] = []
         """Earlier steps' flags on their way to the host: keys and steps, flags, the event after their copy."""
 
-    def check(self, key: str, step: int, new: Tensor) -> Tensor:
+    def check(self, key: str, step: int, new: Tensor, present: Tensor | None = None) -> Tensor:
         """Return whether ``new`` is finite, on the device (a sum is non-finite when an element is).
 
-        Summed in at least float32: a float16 sum of a large finite factor overflows.
+        Summed in at least float32: a float16 sum of a large finite factor overflows. ``present``:
+        whether any rank had the factor (none: it is NaN by design, left out and not reported).
         """
         finite = torch.isfinite(new.sum(dtype=torch.promote_types(new.dtype, torch.float32)))
-        self._checks.append((key, step, finite))
+        self._checks.append((key, step, finite if present is None else finite | ~present))
         return finite
 
     def copy(self) -> None:

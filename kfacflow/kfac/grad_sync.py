@@ -18,106 +18,13 @@ import torch
 from torch import Tensor, nn
 
 from kfacflow.comm import scatter
-from kfacflow.comm.base import Backend, Handle
+from kfacflow.comm.base import Backend
+from kfacflow.kfac.gradients import GradientAllreduce, ToOwners, sparse_parameters
 from kfacflow.kfac.plan import Choice
 from kfacflow.kfac.stages import EVERY_RANK
 from kfacflow.kfac.strategies import AFTER_BACKWARD, OWNERS_PRECONDITION, Gradients, GradSync
 from kfacflow.registry import GRAD_SYNCS
 from kfacflow.replay import Replay, buckets
-
-
-class GradientAllreduce:
-    """A step's gradients averaged over ranks after the backward pass, on the K-FAC group (``grad_sync=deferred``).
-
-    :meth:`launch` is called once the step's factor all-reduces are posted, so the gradients
-    queue behind them on the link; :meth:`wait` before preconditioning, which is the first thing
-    that needs them. Buckets of about 25 MiB, as DDP's. Gradients :meth:`route` gives to owners
-    (``grad_sync=owner``) go in one reduction to their owners instead; the others keep theirs.
-
-    Args:
-        backend: The engine (its K-FAC group carries the buckets).
-        params: The parameters whose gradients are averaged.
-    """
-
-    BUCKET_BYTES = 25 * 2**20
-
-    def __init__(self, backend: Backend, params: list[nn.Parameter]) -> None:
-        self.backend = backend
-        self.params = params
-        self.inflight: list[tuple[list[Tensor], Tensor, Handle]] = []
-        self.owned: list[list[Tensor]] = []
-        self.routed: tuple[list[Tensor], Handle] | None = None
-        self.launched = False
-        self.left: set[int] = set()
-
-    def route(self, owned: list[list[Tensor]]) -> None:
-        """Send the gradients of ``owned[r]`` (parameters) to rank ``r`` alone (before :meth:`launch`)."""
-        self.owned = owned
-
-    def leave(self, params: list[Tensor]) -> None:
-        """Leave these parameters' gradients out (before :meth:`launch`): the step rebuilds their averages itself."""
-        self.left = {id(p) for p in params}
-
-    def average(self, params: list[Tensor]) -> None:
-        """Average these parameters' gradients now, in one blocking all-reduce (every rank calls it alike)."""
-        grads = [p.grad for p in params if p.grad is not None]
-        if grads and self.backend.world_size > 1:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            self.backend.allreduce_async(flat).wait()
-            self._write_back(grads, flat)
-
-    def launch(self) -> None:
-        """Post the collectives (once)."""
-        if self.launched:
-            return
-        self.launched = True
-        if self.backend.world_size == 1:
-            return
-        routed = {id(p) for ps in self.owned for p in ps} | self.left
-        pieces = [[p.grad for p in ps if p.grad is not None and id(p) not in self.left] for ps in self.owned]
-        if any(pieces):  # the same on every rank: the same layers ran
-            counts = [sum(g.numel() for g in piece) for piece in pieces]
-            flat = torch.cat([g.reshape(-1) for piece in pieces for g in piece])
-            self.routed = (pieces[self.backend.rank], self.backend.reduce_to_owners_async(flat, counts))
-        grads = [p.grad for p in self.params if p.grad is not None and id(p) not in routed]
-        bucket: list[Tensor] = []
-        nbytes = 0
-        for g in grads:
-            bucket.append(g)
-            nbytes += g.numel() * g.element_size()
-            if nbytes >= self.BUCKET_BYTES:
-                self._post(bucket)
-                bucket, nbytes = [], 0
-        if bucket:
-            self._post(bucket)
-
-    def _post(self, bucket: list[Tensor]) -> None:
-        flat = torch.cat([t.reshape(-1) for t in bucket])
-        self.inflight.append((bucket, flat, self.backend.allreduce_async(flat)))
-
-    def wait(self) -> None:
-        """Launch if need be, wait, and write the averages back into the gradients (routed ones: on their owner)."""
-        self.launch()
-        if self.routed is not None:
-            mine, handle = self.routed
-            self._write_back(mine, handle.wait())
-            self.routed = None
-        for bucket, flat, handle in self.inflight:
-            handle.wait()
-            self._write_back(bucket, flat)
-        self.inflight = []
-
-    def _write_back(self, grads: list[Tensor], flat: Tensor) -> None:
-        write_back(grads, flat, self.backend.world_size)
-
-
-def write_back(grads: list[Tensor], flat: Tensor, world_size: int) -> None:
-    """Divide the summed ``flat`` by ``world_size`` and copy it back into ``grads``, laid end to end."""
-    flat.div_(world_size)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
 
 
 class Overlap(GradSync):
@@ -206,83 +113,6 @@ class Owner(Deferred):
         return replace(choice, grad_to_owner=True)
 
 
-class ToOwners:
-    """A backward pass's gradients sent as computed: each owned layer's to its owner alone, the rest all-reduced.
-
-    Buckets of :attr:`BUCKET_BYTES` per destination, posted on K-FAC's group from each parameter's
-    post-accumulate hook, in the order the backward pass computes them (the same on every rank);
-    the last, smaller ones when the pass is over (:meth:`flush`). :meth:`wait` writes the averages
-    back: every rank's for the all-reduced parameters, the owner's alone for its own (the other
-    ranks keep their local gradients, which nothing reads: the owner sends the layer's update).
-
-    The parameters whose averages the step rebuilds from rows are not sent at all: to the
-    preconditioner this is the step's :class:`~kfacflow.kfac.strategies.Gradients`, with nothing left
-    to launch, which leaves out those it was built without and averages on demand those a rank's rows
-    could not give (:meth:`average`).
-
-    Args:
-        backend: The engine.
-        owner: Each routed parameter's owner, by ``id``; the rest are all-reduced.
-        rebuilt: The parameters none of whose gradients is sent (the step rebuilds their averages).
-    """
-
-    BUCKET_BYTES = 4 * 2**20
-
-    def __init__(self, backend: Backend, owner: dict[int, int], rebuilt: Sequence[Tensor] = ()) -> None:
-        self.backend, self.owner = backend, owner
-        self.unsent, self.rebuilt = list(rebuilt), {id(p) for p in rebuilt}
-        self.pending: dict[int, tuple[list[Tensor], int]] = {}
-        """Each destination's gradients not yet posted, and their bytes."""
-        self.posted: list[tuple[int, list[Tensor], Tensor, Handle]] = []
-
-    def ready(self, param: Tensor) -> None:
-        """A parameter's gradient is final for this step: queue it, and post its bucket once full."""
-        if id(param) in self.rebuilt or param.grad is None:
-            return
-        key = self.owner.get(id(param), EVERY_RANK)
-        grads, nbytes = self.pending.get(key, ([], 0))
-        grads.append(param.grad)
-        nbytes += param.grad.numel() * param.grad.element_size()
-        self.pending[key] = (grads, nbytes)
-        if nbytes >= self.BUCKET_BYTES:
-            self._post(key)
-
-    def flush(self) -> None:
-        """Post what is left, destinations in a fixed order (every rank posts the same collectives alike)."""
-        for key in sorted(self.pending):
-            self._post(key)
-
-    def _post(self, key: int) -> None:
-        grads, _ = self.pending.pop(key)
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        handle = self.backend.allreduce_async(flat) if key == EVERY_RANK else self.backend.reduce_async(flat, key)
-        self.posted.append((key, grads, flat, handle))
-
-    def wait(self) -> None:
-        """Wait for every bucket and write the averages back where this rank holds them."""
-        self.flush()
-        for key, grads, flat, handle in self.posted:
-            handle.wait()
-            if key in (EVERY_RANK, self.backend.rank):
-                write_back(grads, flat, self.backend.world_size)
-        self.posted = []
-
-    def route(self, owned: list[list[Tensor]]) -> None:
-        """Nothing: the backward pass routed them."""
-
-    def launch(self) -> None:
-        """Nothing: the backward pass posted them."""
-
-    def leave(self, params: list[Tensor]) -> None:
-        """The step rebuilds these from rows (over any average sent); one unsent and not rebuilt is averaged now."""
-        left = {id(p) for p in params}
-        self.average([p for p in self.unsent if id(p) not in left])
-
-    def average(self, params: list[Tensor]) -> None:
-        """Average these now, in one blocking all-reduce (every rank calls it alike): rows that did not give them."""
-        GradientAllreduce(self.backend, []).average(params)
-
-
 class InBackward(Overlap):
     """Between steps that exchange factors (``between``, where the plan routes them): gradients to owners in backward.
 
@@ -311,8 +141,8 @@ class InBackward(Overlap):
                 yield
                 return
             owner = {id(p): rank for rank, params in enumerate(self.routes) for p in params}
-            self.sending = ToOwners(backend, owner, self.rebuilt)
             params = [p for p in net.parameters() if p.requires_grad]
+            self.sending = ToOwners(backend, owner, params, self.rebuilt, sparse_parameters(net))
             hooks = [p.register_post_accumulate_grad_hook(self.sending.ready) for p in params]
             try:
                 yield

@@ -111,6 +111,7 @@ class Preconditioner:
             accumulate,
             self.factor_dtype,
             keep=cfg.factor_examples,
+            gather=backend.gather_objects if backend.world_size > 1 else None,
         )
         self.schedule = Schedule(cfg)
         self.local: LocalSums | None = None
@@ -202,11 +203,11 @@ class Preconditioner:
         if self.local is not None and self.local.sums:
             raise RuntimeError("K-FAC: local factor sums replaced before they were exchanged (settle() first)")
         if self.stages.factor_exchange != "inversion":
-            self.local, self.capture.takes_rows = None, None
+            self.local, self.capture.parts.takes_rows = None, None
             return
         decay = lambda: self.cfg.factor_decay  # noqa: E731
         self.local = LocalSums(decay, self.comm.push, self.sends_factors, started, self.timer)
-        self.capture.push, self.capture.takes_rows = self.local.push, self.local.takes_rows
+        self.capture.push, self.capture.parts.takes_rows = self.local.push, self.local.takes_rows
 
     def sends_factors(self) -> bool:
         """Whether this step sums factors over ranks after its backward pass (what :meth:`.GradSync.for_step` is told).
@@ -329,6 +330,8 @@ class Preconditioner:
         if gradients is not None:  # not averaged yet: the layers that go by rows rebuild theirs from them
             gradients.leave(self.rows.leave(self.layers))
         arrivals = self._arrivals(gradients)
+        if self.local is not None and self.sends_factors():
+            self.local.refuse_absent(self.backend)
         self.rows.post(self.layers)  # behind the factors on the link
         sent = self.stages.pipeline.run(self, arrivals, self.schedule.inverts())
         if self.local is not None and self.sends_factors():
@@ -377,6 +380,8 @@ class Preconditioner:
             return iter(())
         exchanges = self.sends_factors()
         with self.timer.span("FactorComm"):
+            if self.capture.close_forward() and exchanges:
+                self.comm.end_forward()
             dropped = self.capture.finish()
             if exchanges:
                 self.comm.end_backward()
@@ -416,7 +421,7 @@ class Preconditioner:
         with torch.no_grad(), self.timer.span("FactorComp", f"average {len(averaged)} factors", "average"):
             for key in self.keys:
                 if key in averaged and (self.held is None or key in self.held):
-                    finite = self.finite.check(key, self.steps, averaged[key])
+                    finite = self.finite.check(key, self.steps, averaged[key], self.comm.present.get(key))
                     if self.local is not None:
                         self.local.blend(self.running, key, averaged[key], finite)
                     else:
@@ -433,6 +438,7 @@ class Preconditioner:
         if self.local is None or not self.local.sums:
             return
         items = self.local.held(self.keys)
+        self.local.refuse_absent(self.backend)
         averaged = FusedSum(self.backend, items, self.timer).wait()
         self.average(averaged)
         self.finite.copy()
@@ -517,7 +523,12 @@ class Preconditioner:
 
     def state_dict(self) -> dict[str, Any]:
         """Return factors, inverses, the step counter and the layers in use (collective: :func:`.state_of`)."""
-        return state_of(self)
+        state = state_of(self)
+        # the KL clipping factors since the metrics' last row: a resumed run's next row covers the same steps
+        state["clip_sum"] = (
+            None if self._clip_sum is None else (torch.as_tensor(self._clip_sum[0]).cpu(), self._clip_sum[1])
+        )
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (onto this run's device and dtypes).
@@ -528,7 +539,8 @@ class Preconditioner:
         """
         check_layers(state, {layer.name for layer in self.capture.layers})
         if state.get("layers") is not None:
-            self.capture.set_uses(state["layers"])
+            # a checkpoint without passes is from before passes were learnt: one a micro-batch then
+            self.capture.set_uses(state["layers"], state.get("passes") or self.capture.accumulate)
             self._keep_layers(set(state["layers"]))
         check_factors(state, self.slots)
         self.schedule.steps = int(state["steps"])
@@ -538,6 +550,8 @@ class Preconditioner:
             lambda key: self.stages.broadcast.holds(owners.get(key), self.backend.rank),
         )  # fmt: skip
         self._keep_held()
+        clip = state.get("clip_sum")
+        self._clip_sum = None if clip is None else (torch.as_tensor(clip[0]).to(self.backend.device), int(clip[1]))
         self.local = None
         self._local_sums(set(state["factors"]))
         self.capture.active = self.schedule.factors()

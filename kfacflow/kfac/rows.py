@@ -40,8 +40,8 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from kfacflow.comm.base import Backend, Handle
-from kfacflow.kfac.capture import _full_precision, _input, unscaled
 from kfacflow.kfac.factors import ExpandFactors
+from kfacflow.kfac.layer_sums import call_input, full_precision, unscaled
 from kfacflow.kfac.layers import KFACLayer
 from kfacflow.kfac.precondition import rows_give
 from kfacflow.kfac.stages import LayerRows
@@ -108,10 +108,10 @@ class RowCapture:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if not (self.chosen(layer.name) and module.training and torch.is_grad_enabled()):
                 return
-            x = _input(args, kwargs)
+            x = call_input(args, kwargs)
             if x is None:
                 return
-            with torch.no_grad(), _full_precision(x):
+            with torch.no_grad(), full_precision(x):
                 rows = self.step.setdefault(layer.name, _Rows())
                 rows.a.append(_EXPAND.a_rows(module, layer.layer_input(x.detach().to(self.dtype))))
                 rows.eps = max(rows.eps, torch.finfo(x.dtype).eps)

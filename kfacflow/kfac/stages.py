@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
 
+import torch
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
@@ -51,6 +52,34 @@ class FactorSlot:
     def key(self) -> str:
         """``"<layer>/A"`` or ``"<layer>/G"``: how communication, checkpoints and logs name it."""
         return f"{self.layer.name}/{self.side}"
+
+
+@dataclass(frozen=True)
+class Absent:
+    """The factor of a layer that did not run on this rank this step: it adds nothing to its sum over ranks.
+
+    Ranks sum factors by position, so one a rank lacks still goes out, as zeros that say so
+    (:mod:`~kfacflow.kfac.handover`, :class:`~kfacflow.kfac.communicator.FusedSum`).
+    """
+
+    size: int
+    """Elements of the packed factor the other ranks send."""
+    dtype: torch.dtype
+    device: torch.device
+
+    def zeros(self) -> Tensor:
+        """What travels in its place."""
+        return torch.zeros(self.size, dtype=self.dtype, device=self.device)
+
+
+def side_of(key: str) -> str:
+    """``"A"`` or ``"G"``: the side of the factor :attr:`FactorSlot.key` names."""
+    return key.rsplit("/", 1)[1]
+
+
+def layer_of(key: str) -> str:
+    """The layer of the factor :attr:`FactorSlot.key` names."""
+    return key.rsplit("/", 1)[0]
 
 
 class Inverse(ABC):

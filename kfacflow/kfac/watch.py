@@ -105,6 +105,7 @@ class ForwardHooks:
         if not (model.training and torch.is_grad_enabled()):
             return
         self.watcher.capture.examples = examples(args, kwargs, self.watcher.batch_dim)
+        self.watcher.capture.new_pass()
         if self.watcher.grad_scaler is None and fp16_autocast(self.device):
             warn_once(
                 "float16 autocast without a grad_scaler: if the loss is scaled (torch.amp.GradScaler), pass the "
