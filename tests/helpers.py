@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import pickle
@@ -44,6 +45,45 @@ def kfac_sgd_step(net: nn.Module, pre: Preconditioner, opt: torch.optim.Optimize
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """Run ``python run.py ARGS`` from the repository root; outputs are captured as text."""
     return _run_python(ROOT / "run.py", args, cwd, timeout)
+
+
+_BATCH = """
+import contextlib, io, json, sys
+from kfacflow.cli import main
+results = []
+for argv in json.load(sys.stdin):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else 1
+    results.append([code, out.getvalue(), err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def run_cli_batch(
+    runs: list[list[str]], cwd: Path | None = None, timeout: float = 900
+) -> list[subprocess.CompletedProcess[str]]:
+    """Run several one-process ``python run.py ARGS`` one after another in ONE fresh interpreter.
+
+    Importing torch and building the first optimizer (which imports torch's compiler) are most of
+    a short one-worker run; here they are paid once. Every run gets its own exit code and outputs.
+    Only for runs with ``launch.nproc=1`` (a run of several workers starts its own processes anyway).
+    """
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    code = [sys.executable, "-c", _BATCH]
+    proc = subprocess.run(
+        code, input=json.dumps(runs), cwd=cwd or ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    return [
+        subprocess.CompletedProcess(argv, code, out, err) for argv, (code, out, err) in zip(runs, results, strict=True)
+    ]
 
 
 def run_tool(name: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:

@@ -101,13 +101,17 @@ def _train(rank: int, world: int, variant: str, ddp: bool, extra: dict[str, Any]
     return {"params": {k: v.detach().clone() for k, v in net.state_dict().items()}, "factors": factors}
 
 
-def train(rank: int, world: int, cases: list[tuple[str, bool, dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Each case (variant, DDP or not, more keyword arguments) trained in turn in one process group."""
+def train(
+    rank: int, world: int, cases: list[tuple[str, bool, dict[str, Any]]], gradients: bool = False
+) -> dict[str, Any]:
+    """Each case (variant, DDP or not, more keyword arguments) trained in turn in one process group; with
+    ``gradients``, :func:`_gradients` in it first (a case that stops with an error goes last)."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     try:
-        return [_train(rank, world, *case) for case in cases]
+        by_hand = _gradients() if gradients else {}
+        return {"cases": [_train(rank, world, *case) for case in cases], "gradients": by_hand}
     finally:
         dist.destroy_process_group()
 
@@ -130,14 +134,23 @@ def _same(got: dict[str, Tensor], want: dict[str, Tensor], what: str) -> None:
         torch.testing.assert_close(got[key], value, rtol=1e-9, atol=1e-12, msg=message)
 
 
+CASES = [(v, ddp, extra) for ddp in (False, True) for v, extra in VARIANTS.items()]
+REFUSED: tuple[str, bool, dict[str, Any]] = ("flow", False, {})
+"""flow as shipped: ``kfac.factor_exchange=inversion``."""
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, Any]]:
+    """Every case, the refused one and the gradients by hand, on one 2-rank gloo group (a start-up each is 5 s)."""
+    return run_in_gloo(train, 2, [*CASES, REFUSED], True, timeout=300)
+
+
 @pytest.mark.slow
-def test_experts_absent_on_some_ranks_train_as_one_process() -> None:
+def test_experts_absent_on_some_ranks_train_as_one_process(two_ranks: list[dict[str, Any]]) -> None:
     """Every variant, with a plain model (kfacflow averages the gradients) and with DDP, on one gloo group each."""
-    one = run_in_gloo(train, 1, [(v, False, extra) for v, extra in VARIANTS.items()])[0]
-    cases = [(v, ddp, extra) for ddp in (False, True) for v, extra in VARIANTS.items()]
-    two = run_in_gloo(train, 2, cases, timeout=300)
+    one = run_in_gloo(train, 1, [(v, False, extra) for v, extra in VARIANTS.items()])[0]["cases"]
     for rank in range(2):
-        for (variant, ddp, _), got in zip(cases, two[rank], strict=True):
+        for (variant, ddp, _), got in zip(CASES, two_ranks[rank]["cases"][: len(CASES)], strict=True):
             want = one[list(VARIANTS).index(variant)]
             what = f"{variant}{' DDP' if ddp else ''} rank {rank}"
             _same(got["params"], want["params"], f"{what} parameter")
@@ -145,11 +158,12 @@ def test_experts_absent_on_some_ranks_train_as_one_process() -> None:
 
 
 @pytest.mark.slow
-def test_exchange_at_inversion_refuses_a_layer_some_ranks_skip_on_every_rank() -> None:
-    for result in run_in_gloo(train, 2, [("flow", False, {})]):
-        assert "error" in result[0], result[0].keys()
-        assert "'experts.0' did not run on every rank" in result[0]["error"]
-        assert "kfac.factor_exchange=update" in result[0]["error"]
+def test_exchange_at_inversion_refuses_a_layer_some_ranks_skip_on_every_rank(two_ranks: list[dict[str, Any]]) -> None:
+    for result in two_ranks:
+        refused = result["cases"][-1]
+        assert "error" in refused, refused.keys()
+        assert "'experts.0' did not run on every rank" in refused["error"]
+        assert "kfac.factor_exchange=update" in refused["error"]
 
 
 def test_merged_order_keeps_each_ranks_order_and_is_the_same_everywhere() -> None:
@@ -161,14 +175,14 @@ def test_merged_order_keeps_each_ranks_order_and_is_the_same_everywhere() -> Non
     assert merge_orders([]) == []
 
 
-def _gradients(rank: int, world: int) -> dict[str, Any]:
+def _gradients() -> dict[str, Any]:
     """Parameters a, b, c, d: b has no gradient on rank 1, d on no rank; ToOwners sends b to rank 1 alone."""
     from kfacflow.comm.torch_dist import TorchBackend
     from kfacflow.config import DistConfig
     from kfacflow.kfac.gradients import GradientAllreduce, ToOwners
 
     backend = TorchBackend(DistConfig())
-    out: dict[str, Any] = {}
+    rank, out = backend.rank, {}
     for how in ("after", "in_backward"):
         params = [nn.Parameter(torch.zeros(3 + i, dtype=torch.float64)) for i in range(4)]
         for i, p in enumerate(params[:3]):
@@ -190,9 +204,11 @@ def _gradients(rank: int, world: int) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_a_parameter_some_ranks_have_no_gradient_of_is_averaged_over_every_rank() -> None:
+def test_a_parameter_some_ranks_have_no_gradient_of_is_averaged_over_every_rank(
+    two_ranks: list[dict[str, Any]],
+) -> None:
     """Zeros where a rank has none (as one process's examples that never reached it); none where no rank has one."""
-    results = run_in_gloo(_gradients, 2)
+    results = [r["gradients"] for r in two_ranks]
     for how in ("after", "in_backward"):
         for rank, result in enumerate(results):
             a, b, c, d = result[how]

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import last_line, run_cli, run_in_gloo
+from helpers import last_line, run_cli, run_cli_batch, run_in_gloo
 from torch import nn
 
 from kfacflow import build
@@ -54,22 +54,28 @@ def _common(out_dir: Path) -> list[str]:
     ]
 
 
-def _launch(out_dir: Path, nproc: int, extra: list[str]) -> subprocess.CompletedProcess[str]:
+def _sizes(nproc: int) -> list[str]:
     if nproc == 1:
         # One intra-op thread: like each of the 2 workers, and much faster on a busy 2-core machine.
-        size = ["launch.nproc=1", "launch.threads=1", f"data.batch_size={2 * BATCH}"]
-    else:
-        size = ["launch.nproc=2", f"data.batch_size={BATCH}"]
-    return run_cli(*_common(out_dir), *size, *extra)
+        return ["launch.nproc=1", "launch.threads=1", f"data.batch_size={2 * BATCH}"]
+    return ["launch.nproc=2", f"data.batch_size={BATCH}"]
+
+
+def _launch(out_dir: Path, nproc: int, extra: list[str]) -> subprocess.CompletedProcess[str]:
+    return run_cli(*_common(out_dir), *_sizes(nproc), *extra)
 
 
 @pytest.fixture(scope="module")
 def equivalence_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], Any]:
-    """Every case with 1 and with 2 workers; launched a few at a time (each launch is mostly idle)."""
+    """Every case with 2 workers, launched two at a time (each launch is mostly idle), beside every case with 1
+    worker, one after another in one interpreter (each alone would be mostly start-up)."""
     jobs = {(case, nproc): tmp_path_factory.mktemp(f"eq-{case}-{nproc}") for case in CASES for nproc in (2, 1)}
+    ones = [[*_common(jobs[(case, 1)]), *_sizes(1), *extra] for case, extra in CASES.items()]
     with ThreadPoolExecutor(max_workers=3) as pool:
-        futures = {key: pool.submit(_launch, out, key[1], CASES[key[0]]) for key, out in jobs.items()}
-        return {key: fut.result() for key, fut in futures.items()}
+        alone = pool.submit(run_cli_batch, ones)
+        futures = {case: pool.submit(_launch, jobs[(case, 2)], 2, extra) for case, extra in CASES.items()}
+        runs = {(case, 2): fut.result() for case, fut in futures.items()}
+        return {**runs, **{(case, 1): proc for case, proc in zip(CASES, alone.result(), strict=True)}}
 
 
 def _final_checkpoint(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:

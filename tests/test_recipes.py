@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
-from helpers import ROOT, last_line, run_cli
+from helpers import ROOT, last_line, run_cli_batch
 
 from kfacflow.kfac.layers import find_layers
 from kfacflow.models import build_model
@@ -50,18 +51,22 @@ def test_recipes_found() -> None:
     assert {"quickstart", "digits_sgd"} <= {r.stem for r in RECIPES}
 
 
+Runs = dict[str, tuple[Path, subprocess.CompletedProcess[str]]]
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    """Every recipe's two steps, one after another in one interpreter (each alone is mostly start-up)."""
+    outs = {recipe.stem: tmp_path_factory.mktemp(recipe.stem) for recipe in RECIPES}
+    args = ["train.steps=2", "launch.nproc=1", "train.progress=false"]
+    runs = [[str(r.relative_to(ROOT)), *args, f"out_dir={outs[r.stem]}", *shrink(r)] for r in RECIPES]
+    return {r.stem: (outs[r.stem], proc) for r, proc in zip(RECIPES, run_cli_batch(runs), strict=True)}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
-def test_recipe_runs_two_steps(recipe: Path, tmp_path: Path) -> None:
-    proc = run_cli(
-        str(recipe.relative_to(ROOT)),
-        "train.steps=2",
-        "launch.nproc=1",
-        "train.progress=false",
-        f"out_dir={tmp_path}",
-        *shrink(recipe),
-        timeout=180,
-    )
+def test_recipe_runs_two_steps(recipe: Path, two_steps: Runs) -> None:
+    tmp_path, proc = two_steps[recipe.stem]
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = Path(last_line(proc))
     assert run_dir.parent == tmp_path / recipe.stem

@@ -16,6 +16,7 @@ from helpers import QUICK, ROOT, run_tool
 
 sys.path.insert(0, str(ROOT / "tools"))
 
+import fetch_fashion_mnist  # noqa: E402
 import simulate  # noqa: E402
 import tta  # noqa: E402
 
@@ -116,6 +117,8 @@ BAD = [
     ("simulate.py", (*SIM, "--json", "{adir}"), "--json", None),
 ]
 """Tool, arguments, the argument the error line must name, and why the case is skipped as root (None: never)."""
+MAINS = {"tta.py": tta.main, "fetch_fashion_mnist.py": fetch_fashion_mnist.main, "simulate.py": simulate.main}
+"""Each tool's entry point (their programs as a whole run in tests/test_tools.py)."""
 
 
 @pytest.mark.parametrize(("tool", "args", "names", "unless_root"), BAD)
@@ -131,14 +134,12 @@ def test_a_bad_argument_of_a_tool_ends_with_one_error_line(
         pytest.skip(unless_root)
     paths = _inputs(tmp_path)
     argv = [a.format(**paths) for a in args]
-    if tool == "simulate.py":  # in this process: the simulator imports torch first, 4 s a run of its own
-        with pytest.raises(SystemExit) as stopped:  # anything else raised is a traceback, and fails the test
-            simulate.main(argv)
-        code, err = stopped.value.code, capsys.readouterr().err
-        returncode, stderr = (1, f"{err}{code}") if isinstance(code, str) else (code, err)
-    else:
-        proc = run_tool(tool, *argv, timeout=120)
-        returncode, stderr = proc.returncode, proc.stderr
+    try:  # in this process (a run of its own imports torch first, seconds each); anything but an exit fails the test
+        code: object = MAINS[tool](argv)
+    except SystemExit as stop:
+        code = stop.code
+    err = capsys.readouterr().err
+    returncode, stderr = (1, f"{err}{code}") if isinstance(code, str) else (code, err)
     (tmp_path / "locked").chmod(0o700)  # so that the test's folder can be removed
     assert returncode != 0
     assert "Traceback" not in stderr, stderr[-3000:]

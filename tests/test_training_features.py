@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import last_line, run_cli
+from helpers import last_line, run_cli, run_cli_batch
 
 import kfacflow
 
@@ -68,9 +68,8 @@ def run_mine(folder: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
     return run_cli("quickstart", "model.name=mine:net", "data.name=mine:data", *ONE_STEP, *overrides, cwd=folder)
 
 
-def train(folder: Path, *overrides: str) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
-    """One step on the user's model and data; return summary.json and the final weights."""
-    proc = run_mine(folder, *overrides)
+def trained(folder: Path, proc: subprocess.CompletedProcess[str]) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
+    """A finished run's summary.json and final weights."""
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = folder / last_line(proc)
     summary = json.loads((run / "summary.json").read_text())
@@ -78,9 +77,61 @@ def train(folder: Path, *overrides: str) -> tuple[dict[str, object], dict[str, t
     return summary, state
 
 
+Batch = tuple[Path, dict[str, subprocess.CompletedProcess[str]]]
+
+
+def _batch(factory: pytest.TempPathFactory, runs: dict[str, list[str]]) -> Batch:
+    """``runs`` (each the overrides of a one-worker run on the user's model and data), in one interpreter."""
+    folder = factory.mktemp("mine")
+    (folder / "mine.py").write_text(MINE)
+    args = ["quickstart", "model.name=mine:net", "data.name=mine:data", *ONE_STEP]
+    done = run_cli_batch([[*args, *overrides] for overrides in runs.values()], cwd=folder)
+    return folder, dict(zip(runs, done, strict=True))
+
+
+VARIANTS = ("sgd", "d")
+MISTAKES = {
+    "model.name=nowhere:net": "model.name='nowhere:net': cannot import 'nowhere' (ModuleNotFoundError",
+    "model.name=mine:nothing": "model.name='mine:nothing': 'mine' has no function 'nothing'",
+    "data.name=mine:broken": "data.name='mine:broken' must return (train set, validation set",
+    "optim.betas=[0.9]": "optim.betas takes two numbers",
+    "optim.name=adam": "Did you mean 'adamw'",
+}
+SLOW_RUNS = {
+    **{mistake: [mistake] for mistake in MISTAKES},
+    "module path": ["kfac.variant=sgd", "optim.lr=0.5"],
+    "label smoothing": ["kfac.variant=sgd", "train.label_smoothing=0.3"],
+    **{f"clip {v}": [f"kfac.variant={v}", "optim.lr=1", "optim.clip_grad_norm=0.001"] for v in VARIANTS},
+    **{
+        f"adamw {v}": [f"kfac.variant={v}", "optim.name=adamw", "optim.lr=0.01", "optim.weight_decay=0"]
+        for v in ("sgd", "d")
+    },
+    "checkpoint": ["kfac.variant=d"],
+    "piped": ["train.progress=true", "train.steps=4", "train.log_every=2", "train.metrics=csv"],
+    "ema": ["train.steps=3", "train.ema=0.75", "train.checkpoint_every=1", "train.keep_checkpoints=0", "kfac.variant=d"]
+    + ["train.metrics=jsonl", "train.log_every=1"],
+}
+"""The slow tests' runs: each alone would be mostly the start-up of a process."""
+QUICK_RUNS = {
+    "stop": ["train.steps=60", "train.eval_every_steps=1", "train.stop_at_accuracy=0.5"],
+    "no stop": ["train.steps=60", "train.eval_every_steps=1"],
+    "evaluations": ["train.steps=6", "train.eval_every_steps=2", "train.metrics=csv"],
+}
+
+
+@pytest.fixture(scope="module")
+def slow_runs(tmp_path_factory: pytest.TempPathFactory) -> Batch:
+    return _batch(tmp_path_factory, SLOW_RUNS)
+
+
+@pytest.fixture(scope="module")
+def quick_runs(tmp_path_factory: pytest.TempPathFactory) -> Batch:
+    return _batch(tmp_path_factory, QUICK_RUNS)
+
+
 @pytest.mark.slow
-def test_the_users_model_and_data_by_module_path(mine: Path) -> None:
-    summary, state = train(mine, "kfac.variant=sgd", "optim.lr=0.5")
+def test_the_users_model_and_data_by_module_path(slow_runs: Batch) -> None:
+    summary, state = trained(slow_runs[0], slow_runs[1]["module path"])
     logits = W @ X
     assert summary["train_loss"] == pytest.approx(float(F.cross_entropy(logits[None], torch.tensor([0]))), rel=1e-5)
     # SGD: w -= lr (softmax - onehot) x^T for the one sample repeated.
@@ -89,58 +140,44 @@ def test_the_users_model_and_data_by_module_path(mine: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("override", "message"),
-    [
-        ("model.name=nowhere:net", "model.name='nowhere:net': cannot import 'nowhere' (ModuleNotFoundError"),
-        ("model.name=mine:nothing", "model.name='mine:nothing': 'mine' has no function 'nothing'"),
-        ("data.name=mine:broken", "data.name='mine:broken' must return (train set, validation set"),
-    ],
-)
-def test_a_module_path_that_fails_is_one_line(mine: Path, override: str, message: str) -> None:
-    proc = run_mine(mine, override)
+@pytest.mark.parametrize(("override", "message"), list(MISTAKES.items()))
+def test_a_mistake_is_one_line(slow_runs: Batch, override: str, message: str) -> None:
+    """A module path that fails, and the optimizer's own keys."""
+    proc = slow_runs[1][override]
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), proc.stderr
+    assert len(lines) == 1 and message in lines[0] and lines[0].startswith("error: "), proc.stderr
 
 
 @pytest.mark.slow
-def test_label_smoothing_is_in_the_training_loss(mine: Path) -> None:
-    summary, _ = train(mine, "kfac.variant=sgd", "train.label_smoothing=0.3")
+def test_label_smoothing_is_in_the_training_loss(slow_runs: Batch) -> None:
+    summary, _ = trained(slow_runs[0], slow_runs[1]["label smoothing"])
     logp = torch.log_softmax(W @ X, 0)
     expected = 0.7 * -logp[0] + 0.3 * -logp.mean()  # (1 - e) CE + e x the mean over the 3 classes
     assert summary["train_loss"] == pytest.approx(float(expected), rel=1e-5)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["sgd", "d"])
-def test_clipping_bounds_the_applied_gradient(mine: Path, variant: str) -> None:
-    _, state = train(mine, f"kfac.variant={variant}", "optim.lr=1", "optim.clip_grad_norm=0.001")
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_clipping_bounds_the_applied_gradient(slow_runs: Batch, variant: str) -> None:
+    _, state = trained(slow_runs[0], slow_runs[1][f"clip {variant}"])
     moved = torch.cat([(state["1.weight"] - W).flatten(), state["1.bias"].flatten()])
     assert float(moved.norm()) == pytest.approx(0.001, rel=1e-3)  # the gradient is far larger than 0.001
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["sgd", "d"])
-def test_adamw_takes_the_preconditioned_gradient(mine: Path, variant: str) -> None:
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_adamw_takes_the_preconditioned_gradient(slow_runs: Batch, variant: str) -> None:
     # Adam's first step moves each weight by lr x m / sqrt(v) = lr x sign(g), whatever g's size.
-    _, state = train(mine, f"kfac.variant={variant}", "optim.name=adamw", "optim.lr=0.01", "optim.weight_decay=0")
+    _, state = trained(slow_runs[0], slow_runs[1][f"adamw {variant}"])
     moved = (state["1.weight"] - W).abs()
     assert torch.allclose(moved, torch.full_like(moved, 0.01), rtol=1e-3), moved
     assert not math.isnan(float(moved.sum()))
 
 
 @pytest.mark.slow
-def test_optimizer_keys_are_checked(mine: Path) -> None:
-    proc = run_mine(mine, "optim.betas=[0.9]")
-    assert proc.returncode == 2 and "optim.betas takes two numbers" in proc.stderr
-    proc = run_mine(mine, "optim.name=adam")
-    assert proc.returncode == 2 and "Did you mean 'adamw'" in proc.stderr
-
-
-@pytest.mark.slow
-def test_checkpoints_open_weights_only_and_export_writes_the_model(mine: Path) -> None:
-    proc = run_mine(mine, "kfac.variant=d")
+def test_checkpoints_open_weights_only_and_export_writes_the_model(slow_runs: Batch) -> None:
+    mine, proc = slow_runs[0], slow_runs[1]["checkpoint"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = mine / last_line(proc)
     checkpoint = sorted((run / "checkpoints").glob("*.pt"))[-1]
@@ -159,8 +196,8 @@ def test_checkpoints_open_weights_only_and_export_writes_the_model(mine: Path) -
 
 
 @pytest.mark.slow
-def test_a_piped_log_gets_plain_lines_and_the_metrics_file(mine: Path) -> None:
-    proc = run_mine(mine, "train.progress=true", "train.steps=4", "train.log_every=2", "train.metrics=csv")
+def test_a_piped_log_gets_plain_lines_and_the_metrics_file(slow_runs: Batch) -> None:
+    mine, proc = slow_runs[0], slow_runs[1]["piped"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "\r" not in proc.stderr  # no progress-bar redraws in a file
     lines = [line for line in proc.stderr.splitlines() if ": step " in line]
@@ -182,10 +219,8 @@ def test_a_piped_log_gets_plain_lines_and_the_metrics_file(mine: Path) -> None:
 
 
 @pytest.mark.slow
-def test_the_moving_average_of_the_weights(mine: Path) -> None:
-    overrides = ["train.ema=0.75", "train.checkpoint_every=1", "train.keep_checkpoints=0", "kfac.variant=d"]
-    overrides += ["train.metrics=jsonl", "train.log_every=1"]
-    proc = run_mine(mine, "train.steps=3", *overrides)
+def test_the_moving_average_of_the_weights(slow_runs: Batch) -> None:
+    mine, proc = slow_runs[0], slow_runs[1]["ema"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = mine / last_line(proc)
     states = [torch.load(p, weights_only=True) for p in sorted((run / "checkpoints").glob("*.pt"))]
@@ -210,9 +245,9 @@ def test_the_moving_average_of_the_weights(mine: Path) -> None:
     assert torch.equal(exported["model_ema"]["1.weight"], ema[2])
 
 
-def test_a_run_stops_at_the_first_evaluation_that_reaches_the_target_accuracy(mine: Path) -> None:
+def test_a_run_stops_at_the_first_evaluation_that_reaches_the_target_accuracy(quick_runs: Batch) -> None:
     # Every label is 0 and the model starts out predicting 2: accuracy jumps from 0 to 1 at some step.
-    proc = run_mine(mine, "train.steps=60", "train.eval_every_steps=1", "train.stop_at_accuracy=0.5")
+    mine, proc = quick_runs[0], quick_runs[1]["stop"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = mine / last_line(proc)
     summary = json.loads((run / "summary.json").read_text())
@@ -221,17 +256,15 @@ def test_a_run_stops_at_the_first_evaluation_that_reaches_the_target_accuracy(mi
     assert summary["steps"] == summary["history"][-1]["step"] == len(accs) < 60
     assert summary["stopped_at_accuracy"] == 0.5 and "train.stop_at_accuracy=0.5 reached" in proc.stderr
     assert sorted((run / "checkpoints").glob("*.pt"))[-1].name == f"step_{summary['steps']:08d}.pt"
-    full = json.loads(
-        (mine / last_line(run_mine(mine, "train.steps=60", "train.eval_every_steps=1")) / "summary.json").read_text()
-    )
+    full = json.loads((mine / last_line(quick_runs[1]["no stop"]) / "summary.json").read_text())
     assert full["history"][: len(accs)] == [
         {**r, "seconds": f["seconds"]} for r, f in zip(summary["history"], full["history"], strict=False)
     ]
     assert full["steps"] == 60 and full["stopped_at_accuracy"] is None
 
 
-def test_evaluation_every_n_steps_records_the_training_seconds(mine: Path) -> None:
-    proc = run_mine(mine, "train.steps=6", "train.eval_every_steps=2", "train.metrics=csv")
+def test_evaluation_every_n_steps_records_the_training_seconds(quick_runs: Batch) -> None:
+    mine, proc = quick_runs[0], quick_runs[1]["evaluations"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = mine / last_line(proc)
     history = json.loads((run / "summary.json").read_text())["history"]
