@@ -248,7 +248,7 @@ def stages(cfg: KFACConfig, names: Stages, profile: Profile | None) -> StageSet:
         fusion=registry.FUSIONS.get(names.fusion)(fusion),
         placement=registry.PLACEMENTS.get(names.placement),
         invert=registry.INVERSES.get(names.inverse),
-        precondition=registry.PRECONDITIONERS.get(cfg.precondition)(cfg.kl_clip),
+        precondition=registry.PRECONDITIONERS.get(names.precondition)(cfg.kl_clip),
         pipeline=registry.PIPELINES.get(names.pipeline),
         broadcast=registry.BROADCASTS.get(names.broadcast),
         factor_sync=registry.FACTOR_SYNCS.get(names.factor_sync),
@@ -355,7 +355,7 @@ def training(cfg: DictConfig, backend: Backend, run_dir: Path, timer: StepTimer)
         prof = profile(cfg, backend, run_dir, dtype) if needs_profile(names) else None
         kfac = preconditioner(model, cfg.kfac, backend, prof, timer, accumulate)
     net = backend.wrap_model(model)
-    optimizer = backend.wrap_optimizer(build_optimizer(model.parameters(), cfg.optim), model, accumulate)
+    optimizer = backend.wrap_optimizer(build_optimizer(model, cfg.optim), model, accumulate)
     loader, sampler = train_loader(train_set, cfg.data.batch_size, rank, world, cfg.train.seed, cfg.data.workers)
     val_loader = eval_loader(val_set, cfg.data.eval_batch_size or cfg.data.batch_size, rank, world, cfg.data.workers)
     steps_per_epoch = len(loader) // accumulate

@@ -203,11 +203,32 @@ class TrainConfig:
 
 
 @dataclass
+class MuonConfig:
+    """``optim.name=muon``'s own settings; ``optim.lr`` is its rate, ``optim.weight_decay`` its decoupled decay."""
+
+    momentum: float = field(default=0.95, metadata=within(0, 1))
+    """Momentum of each matrix's gradient, in [0, 1) (``torch.optim.Muon``'s 0.95)."""
+    nesterov: bool = True
+    """Nesterov momentum (``torch.optim.Muon``'s)."""
+    ns_steps: int = field(default=5, metadata=within(1, 100, "Newton-Schulz iterations"))
+    """Newton-Schulz iterations of the orthogonalisation (five of three products each)."""
+    adjust_lr: Literal["original", "match_rms_adamw"] = "original"
+    """The rate's scale by a matrix's shape ``out x in``: ``original`` ``sqrt(max(1, out / in))`` (Keller Jordan's),
+    ``match_rms_adamw`` ``0.2 sqrt(max(out, in))`` (Moonshot's: AdamW's rate and decay serve)."""
+    head: bool = False
+    """Whether the classifier head (the model's last Linear) is Muon's too; by default AdamW's, as the speedruns
+    keep it."""
+    adamw_lr: float = field(default=3e-3, metadata=above(0))
+    """AdamW's rate for what Muon does not take (biases, norms, embeddings, the head); the schedule scales it too."""
+
+
+@dataclass
 class OptimConfig:
     """The first-order optimizer that applies the (preconditioned) gradient."""
 
     name: str = "sgd"
-    """A registry name (`--list optimizer`)."""
+    """A registry name (`--list optimizer`), or your own ``module.path:factory`` (``factory(model, cfg)`` returning
+    a ``torch.optim.Optimizer``; ``cfg`` is this section)."""
     lr: float = field(default=0.1, metadata=above(0))
     """Base learning rate (before the schedule)."""
     momentum: float = field(default=0.9, metadata=within(0, 1))
@@ -215,13 +236,15 @@ class OptimConfig:
     nesterov: bool = False
     """Nesterov momentum; needs ``momentum`` > 0."""
     weight_decay: float = field(default=0.0, metadata=at_least(0, "0 is none"))
-    """L2 penalty added to the gradient (``sgd``), or decoupled weight decay (``adamw``)."""
+    """L2 penalty added to the gradient (``sgd``), or decoupled weight decay (``adamw``, ``muon``)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999], metadata=within(0, 1))
-    """``adamw``: decay rates of the first and second moment estimates."""
+    """``adamw`` (and ``muon``'s AdamW part): decay rates of the first and second moment estimates."""
     eps: float = field(default=1e-8, metadata=above(0))
-    """``adamw``: added to the denominator."""
+    """``adamw`` (and ``muon``'s AdamW part): added to the denominator."""
     clip_grad_norm: float = field(default=0.0, metadata=at_least(0, "0 is off"))
     """Scale the applied gradient (after K-FAC) so that its global L2 norm is at most this; 0 is off."""
+    muon: MuonConfig = field(default_factory=MuonConfig)
+    """``optim.name=muon``'s own settings."""
 
 
 @dataclass
@@ -295,8 +318,9 @@ class KFACConfig:
     factor_sync: Optional[str] = None
     """Where factors are summed (`--list factor_sync`): on every rank, or on each factor's owner alone; empty
     takes the variant's."""
-    precondition: str = "kfac"
-    """How gradients are preconditioned (`--list precondition`)."""
+    precondition: Optional[str] = None
+    """How gradients are preconditioned (`--list precondition`): ``kfac``, or ``rows`` (the same update, from each
+    layer's rows where that takes half the flops or less); empty takes the variant's (``flow``: ``rows``)."""
     damping: float = field(default=0.001, metadata=above(0, "Tikhonov damping keeps factors invertible"))
     """Tikhonov damping gamma added to both factors before inversion."""
     factor_decay: float = field(default=0.95, metadata=within(0, 1, "the old factor's weight in the running average"))

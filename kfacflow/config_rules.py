@@ -8,7 +8,7 @@ from typing import Any, get_type_hints
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from kfacflow import UserError
-from kfacflow.config import KFACConfig, Range, RunConfig
+from kfacflow.config import KFACConfig, OptimConfig, Range, RunConfig
 from kfacflow.config_errors import merge
 
 
@@ -57,6 +57,34 @@ def _check_update_freqs(kfac: DictConfig, lead: str, prefix: str) -> None:
         )
 
 
+OPTIMIZER_KEYS = {"momentum": ("sgd",), "nesterov": ("sgd",), "betas": ("adamw", "muon"), "eps": ("adamw", "muon")}
+"""The ``optim`` keys only some of the shipped optimizers read, and which (``muon``: its section ``optim.muon``)."""
+
+
+def _shown(value: Any) -> Any:
+    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+
+
+def _check_optimizer_keys(optim: DictConfig) -> None:
+    """Refuse a key of ``optim`` the optimizer in use does not read, set away from its default.
+
+    A user's factory gets the whole section and may read any.
+    """
+    if optim.name not in {name for readers in OPTIMIZER_KEYS.values() for name in readers} | {"muon"}:
+        return  # a user's factory reads what it likes; a misspelt name is the registry's to name
+    defaults = OmegaConf.structured(OptimConfig)
+    keys = [(key, by) for key, by in OPTIMIZER_KEYS.items()] + [(f"muon.{k}", ("muon",)) for k in defaults.muon]
+    for key, by in keys:
+        value = OmegaConf.select(optim, key)
+        if optim.name not in by and value != OmegaConf.select(defaults, key):
+            muon = "; Muon's momentum is optim.muon.momentum" if optim.name == "muon" and key == "momentum" else ""
+            raise UserError(
+                f"optim.{key}={_shown(value)} is read by optim.name={'/'.join(by)} only, not by "
+                f"optim.name={optim.name}{muon}; leave optim.{key} out (or at its default, "
+                f"{_shown(OmegaConf.select(defaults, key))})."
+            )
+
+
 def check(cfg: DictConfig) -> None:
     """The rules the types alone cannot express: ranges, the run's name, rules across keys.
 
@@ -79,6 +107,7 @@ def check(cfg: DictConfig) -> None:
             f"optim.nesterov=true needs optim.momentum > 0 (it is {cfg.optim.momentum}); "
             "set optim.momentum (e.g. 0.9) or optim.nesterov=false."
         )
+    _check_optimizer_keys(cfg.optim)
     if cfg.train.amp != "none" and cfg.train.dtype != "float32":
         raise UserError(
             f"train.amp={cfg.train.amp} runs a float32 model's forward pass in half precision; with "

@@ -1,37 +1,84 @@
-"""First-order optimizers and learning-rate schedules, registered by name."""
+"""First-order optimizers and learning-rate schedules, registered by name.
+
+An optimizer's factory takes the model (an optimizer that treats parameters by kind, as Muon
+does, needs to know which is which) and the ``optim`` section; a user's ``module.path:factory``
+is called the same way.
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
+from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
+from kfacflow import UserError, muon
 from kfacflow.config import OptimConfig, ScheduleConfig
 from kfacflow.registry import OPTIMIZERS, SCHEDULES
+from kfacflow.usercode import call_factory
 
 Multiplier = Callable[[int], float]
 
 
 @OPTIMIZERS.register("sgd", "SGD with momentum, optional Nesterov and weight decay")
-def sgd(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
+def sgd(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     """Return ``torch.optim.SGD`` configured from ``cfg``."""
     return torch.optim.SGD(
-        params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay
+        model.parameters(), lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay
     )
 
 
 @OPTIMIZERS.register("adamw", "AdamW (decoupled weight decay; optim.betas, optim.eps), fed the preconditioned gradient")
-def adamw(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
+def adamw(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     """Return ``torch.optim.AdamW`` configured from ``cfg`` (``momentum`` and ``nesterov`` do not apply)."""
     beta1, beta2 = cfg.betas
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=(beta1, beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=(beta1, beta2), eps=cfg.eps, weight_decay=cfg.weight_decay
+    )
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
-    """Return the optimizer ``cfg.name`` over ``params``."""
-    optimizer: torch.optim.Optimizer = OPTIMIZERS.get(cfg.name)(params, cfg)  # type: ignore[assignment]
+@OPTIMIZERS.register(
+    "muon", "Muon for matrices and filters (optim.muon.*), AdamW for biases, norms, embeddings and the head"
+)
+def muon_adamw(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """Return :class:`kfacflow.muon.Muon` configured from ``cfg`` (``optim.lr`` Muon's rate; ``optim.muon``)."""
+    m = cfg.muon
+    matrices, rest = muon.split(model, m.head)
+    return muon.Muon(
+        muon.groups(
+            matrices,
+            rest,
+            cfg.lr,
+            m.momentum,
+            m.nesterov,
+            cfg.weight_decay,
+            m.adjust_lr,
+            m.ns_steps,
+            m.adamw_lr,
+            cfg.betas,
+            cfg.eps,
+            cfg.weight_decay,
+        )  # fmt: skip
+    )
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """Return the optimizer ``cfg.name`` over ``model``'s trained parameters (a user's factory: checked).
+
+    Raises:
+        UserError: If a user's ``module.path:factory`` does not return a ``torch.optim.Optimizer``.
+    """
+    factory = OPTIMIZERS.get(cfg.name)
+    if ":" not in cfg.name:
+        built: torch.optim.Optimizer = factory(model, cfg)
+        return built
+    optimizer = call_factory("optim.name", cfg.name, factory, "factory(model, cfg)", model, cfg)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UserError(
+            f"optim.name={cfg.name}: the factory returned {type(optimizer).__name__}, not a torch.optim.Optimizer."
+        )
     return optimizer
 
 

@@ -169,7 +169,9 @@ DATASETS: Registry[Callable[..., tuple[Dataset[Any], Dataset[Any], Any]]] = Regi
     "data.name",
     imports="give a function (data config) -> (train set, validation set, kfacflow.data.DataInfo)",
 )
-OPTIMIZERS: Registry[Callable[..., Any]] = Registry("optimizer", "optim.name")
+OPTIMIZERS: Registry[Callable[..., Any]] = Registry(
+    "optimizer", "optim.name", imports="give a function (model, optim config) -> torch.optim.Optimizer"
+)
 SCHEDULES: Registry[Callable[..., Callable[[int], float]]] = Registry("schedule", "schedule.name")
 BACKENDS: Registry[Callable[..., Backend]] = Registry("backend", "dist.backend")
 VARIANTS: Registry[Variant] = Registry("variant", "kfac.variant")

@@ -55,6 +55,7 @@ LOOP = "tools/bench_loop.py"
 CONFIGS: dict[str, dict[str, list[str]]] = {
     "variants": {
         "sgd": ["kfac.variant=sgd"],
+        "muon": ["kfac.variant=sgd", "optim.name=muon", "optim.lr=0.02"],
         "D-KFAC": ["kfac.variant=d"],
         "MPD-KFAC": ["kfac.variant=mpd"],
         "SPD-KFAC": ["kfac.variant=spd"],
@@ -83,6 +84,7 @@ CONFIGS: dict[str, dict[str, list[str]]] = {
     },
     "rare": {  # inverting rarely (--intervals 10/100): what the steps between inversions are worth sending
         "sgd": ["kfac.variant=sgd"],
+        "muon": ["kfac.variant=sgd", "optim.name=muon", "optim.lr=0.02"],
         "flow+rows": ["kfac.variant=flow", "kfac.precondition=rows"],
         "+overlap": ["kfac.variant=flow", "kfac.precondition=rows", "kfac.grad_sync=overlap"],
         "+packed": ["kfac.variant=flow", "kfac.precondition=rows", "kfac.grad_sync=overlap", "kfac.broadcast=packed"],

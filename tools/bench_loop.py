@@ -149,7 +149,7 @@ def train(args: argparse.Namespace, overrides: list[str]) -> int:
     sampler: DistributedSampler[Any] = DistributedSampler(train_set, world, rank, seed=seed, drop_last=True)
     loader = DataLoader(train_set, batch_size=cfg.data.batch_size, sampler=sampler, drop_last=True)
     model = build_model(cfg.model.name, info.num_classes, info.channels).to(device)
-    optimizer = build_optimizer(model.parameters(), cfg.optim)
+    optimizer = build_optimizer(model, cfg.optim)
     # kfacflow averages the gradients itself, after the factors; DDP does it for the others.
     wrap = distributed and args.library != "kfacflow"
     net = DistributedDataParallel(model) if wrap else model

@@ -1,4 +1,4 @@
-"""Time to accuracy: train one recipe with SGD, AdamW and K-FAC, each tuned by the same kind of sweep.
+"""Time to accuracy: train one recipe with SGD, AdamW, Muon and K-FAC, each tuned by the same kind of sweep.
 
     python tools/fetch_fashion_mnist.py --out data/fashion-mnist
     python tools/tta.py recipes/fashion_cnn.yaml --epochs 4 --seeds 0,1,2 --targets 0.88,0.90 \
@@ -15,7 +15,8 @@ a key tta sets itself is refused in one line naming the option to use instead (`
 ``train.seed``: ``--seeds``, a key an optimizer or its grid sets: ``--grid``; ``tools/tta_args.py``), except
 ``train.save`` and ``train.progress``, where the user's value wins. Every run is checked as ``run.py`` checks
 a recipe before the first starts. A run whose ``summary.json`` is already in ``--out``
-is read, not trained again, so an interrupted sweep resumes where it stopped. A point whose run
+is read, not trained again, so an interrupted sweep resumes where it stopped (one trained with other settings,
+another ``--epochs`` or overrides, is refused in one line). A point whose run
 diverges (the updates overflow: ``run.py`` exits 3) is reported in ``tta.json``'s ``diverged`` and
 never chosen; a chosen point diverging on another seed ends the sweep.
 
@@ -51,12 +52,13 @@ from tta_args import check_runs, parse, parse_grid, run_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 
-FIRST_ORDER = ("sgd", "adamw")
+FIRST_ORDER = ("sgd", "adamw", "muon")
 ONE_TEN = ["kfac.factor_update_freq=1", "kfac.inv_update_freq=10"]
 TEN_HUNDRED = ["kfac.factor_update_freq=10", "kfac.inv_update_freq=100"]
 OPTIMIZERS = {
     "sgd": ["kfac.variant=sgd", "optim.name=sgd"],
     "adamw": ["kfac.variant=sgd", "optim.name=adamw"],
+    "muon": ["kfac.variant=sgd", "optim.name=muon"],
     "flow": ["kfac.variant=flow", *ONE_TEN],
     "flow_reduce": ["kfac.variant=flow", "kfac.factor=reduce", *ONE_TEN],
     "flow_staggered": ["kfac.variant=flow", "kfac.inverse_schedule=staggered", *ONE_TEN],
@@ -65,17 +67,22 @@ OPTIMIZERS = {
     "flow_10_100": ["kfac.variant=flow", *TEN_HUNDRED],
     "flow_10_100_16": ["kfac.variant=flow", "kfac.factor_examples=16", *TEN_HUNDRED],
     "spd": ["kfac.variant=spd", *ONE_TEN],
+    "recipe": [],
 }
 """What makes each optimizer of the comparison out of the recipe: K-FAC with factors every step and inverses
 every 10 (kfac-pytorch's CIFAR-10 defaults), or ``flow_10_100``: every 10 and 100 (its ImageNet defaults);
 ``flow_16`` and ``flow_8`` estimate the factors from 16 or 8 examples of each worker's batch
-(``kfac.factor_examples``), ``flow_10_100_16`` from 16 at the ImageNet intervals."""
+(``kfac.factor_examples``), ``flow_10_100_16`` from 16 at the ImageNet intervals; ``muon``: Muon for matrices
+and filters, AdamW for the rest (``optim.name=muon``); ``recipe``: the recipe as it is (its own K-FAC settings)."""
 GRIDS = {
     "sgd": "optim.lr:0.05,0.1,0.2",
     "adamw": "optim.lr:0.001,0.003",
+    "muon": "optim.lr:0.01,0.02,0.05;optim.muon.momentum:0.9,0.95",
     **{name: "optim.lr:0.1;kfac.damping:0.03,0.1" for name in OPTIMIZERS if name not in FIRST_ORDER},
+    "recipe": "",
 }
-"""The default sweeps: the rates each optimizer is usually run at on small image models (every K-FAC one alike)."""
+"""The default sweeps: the rates each optimizer is usually run at on small image models (every K-FAC one alike;
+Muon's: the speedruns' 0.02-0.05 and its momentum at 0.9 and 0.95); ``recipe``: none."""
 
 
 def point_name(point: list[str]) -> str:
@@ -122,9 +129,16 @@ def train(recipe: str, overrides: list[str], folder: Path) -> dict[str, Any]:
         run_dir = Path(done.stdout.strip().splitlines()[-1])
         summary = json.loads((run_dir / "summary.json").read_text())
         summary["outside_wall_s"] = wall
+        summary["tta_run"] = [recipe, *overrides]  # what a rerun must ask for to read it instead of training
         run_dir.rename(folder)  # a stable name, so that a rerun finds it
         summary_file.write_text(json.dumps(summary, indent=1))
-    return json.loads(summary_file.read_text())  # type: ignore[no-any-return]
+    summary = json.loads(summary_file.read_text())
+    if summary.get("tta_run", [recipe, *overrides]) != [recipe, *overrides]:
+        raise SystemExit(
+            f"error: {folder} was trained with other settings ({' '.join(summary['tta_run'])}); "
+            "give another --out, or remove that folder to train it again"
+        )
+    return summary  # type: ignore[no-any-return]
 
 
 def record(name: str, point: list[str], seed: int, summary: dict[str, Any]) -> dict[str, Any]:

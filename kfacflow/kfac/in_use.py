@@ -53,7 +53,7 @@ def check(
 
 def _chosen(kfac: KFACConfig, runs: list[Stages], kind: str) -> list[str]:
     """The stage of ``kind`` in use in each of ``runs`` (one for each preset ``auto`` may choose)."""
-    return [getattr(kfac if kind in ("factor", "precondition") else names, kind) for names in runs]
+    return [getattr(kfac if kind == "factor" else names, kind) for names in runs]
 
 
 def _used_as(kfac: KFACConfig, runs: list[Stages], kind: str, prefix: str) -> str:

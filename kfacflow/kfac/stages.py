@@ -355,6 +355,8 @@ class Variant:
     factor_sync: str = "allreduce"
     factor_exchange: str = "update"
     """When factors are summed over ranks: ``update`` or ``inversion`` (:mod:`kfacflow.kfac.exchange`)."""
+    precondition: str = "kfac"
+    """How gradients become updates (``kfac.precondition``): ``kfac``, or ``rows`` where that pays per layer."""
     choose: bool = False
     """Start with these stages, then simulate every preset on a traced step and keep the fastest."""
 

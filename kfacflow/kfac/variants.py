@@ -35,6 +35,7 @@ def resolve(cfg: KFACConfig) -> Stages:
         inverse=cfg.inverse or v.inverse,
         preconditioned=v.preconditioned,
         factor_exchange=cfg.factor_exchange or v.factor_exchange,
+        precondition=cfg.precondition or v.precondition,
         choose=v.choose,
         **chosen,
     )
@@ -54,11 +55,13 @@ VARIANTS.add(
         grad_sync="between",
         factor_sync="owner",
         factor_exchange="inversion",
+        precondition="rows",
     ),
     "past the paper: SPD's fusion with large factors sent alone, whole layers to owners who precondition "
     "and send the update (in buckets where start-ups dominate), each factor and gradient reduced to its owner "
     "alone, Cholesky factors, inversion as factors arrive, gradients behind the inversions where factors travel "
-    "(during backward elsewhere), factors summed over ranks only where inverted",
+    "(during backward elsewhere), factors summed over ranks only where inverted, layers preconditioned from their "
+    "rows where that halves the work",
 )
 VARIANTS.add(
     "auto",

@@ -1,0 +1,178 @@
+"""Muon (``optim.name=muon``): every matrix-shaped weight orthogonalised, the rest by AdamW, in one optimizer.
+
+Muon (Jordan et al., 2024; ``torch.optim.Muon``) keeps a momentum of each weight matrix's gradient
+and steps along its orthogonalisation: the momentum's polar factor ``U Vᵀ`` (of ``U S Vᵀ``),
+approximated by five Newton-Schulz iterations of three products each in bfloat16, its rate scaled
+by the matrix's shape. It is made for matrices: a convolution's filters are flattened to
+``out x in*k*k`` as the CIFAR-10 speedrun does, and every other parameter (biases, norms,
+embeddings, and by default the classifier head) goes to AdamW. One optimizer holds both kinds of
+group, so the learning-rate schedule scales both and one checkpoint holds both states.
+
+The Muon step is ``torch.optim.Muon``'s (tested equal on matrices) and the AdamW step
+``torch.optim.AdamW``'s (tested equal); :func:`split` decides which parameter goes where.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+"""The quintic Newton-Schulz iteration's coefficients (``torch.optim.Muon``'s, Keller Jordan's)."""
+
+
+def orthogonalised(update: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
+    """An approximation of ``update``'s polar factor (its singular values pushed towards 1), in bfloat16.
+
+    ``update`` is a matrix, or filters flattened here to ``out x in*k*k``; the result has its shape.
+    """
+    a, b, c = NS_COEFFICIENTS
+    x = update.reshape(update.shape[0], -1).bfloat16()
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)  # spectral norm at most 1
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return (x.T if tall else x).reshape(update.shape)
+
+
+def shape_scale(shape: torch.Size, rule: str) -> float:
+    """The factor Muon's rate is scaled by for a ``shape`` matrix (``out x in``: filters flattened).
+
+    ``original``: ``sqrt(max(1, out / in))`` (Keller Jordan's); ``match_rms_adamw``: ``0.2 sqrt(max(out, in))``,
+    which lets AdamW's rate and weight decay serve (Moonshot's).
+    """
+    rows, cols = shape[0], math.prod(shape[1:])
+    if rule == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    return math.sqrt(max(1.0, rows / cols))
+
+
+def split(model: nn.Module, head: bool) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """The trained parameters Muon takes (matrices, filters) and those AdamW takes (the rest).
+
+    An ``nn.Embedding``'s table is a lookup, not a map: AdamW's, as in every Muon setup. ``head``:
+    whether the classifier head (the model's last ``Linear``) is Muon's too; by default it is
+    AdamW's, as the speedruns keep it.
+    """
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    last = linears[-1].weight if linears and not head else None
+    lookups = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding | nn.EmbeddingBag)}
+    matrices, rest = [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        if p.ndim >= 2 and id(p) not in lookups and p is not last:
+            matrices.append(p)
+        else:
+            rest.append(p)
+    return matrices, rest
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for the groups marked ``muon``, AdamW for the others: one optimizer, one schedule, one state.
+
+    Args:
+        groups: Parameter groups, each with ``muon`` (bool) and its own settings; see :func:`groups`.
+    """
+
+    def __init__(self, groups: Iterable[dict[str, Any]]) -> None:
+        super().__init__(list(groups), {})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # noqa: D102 - torch.optim.Optimizer.step
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("optim.name=muon does not take sparse gradients (nn.Embedding(sparse=True))")
+                if group["muon"]:
+                    self._muon(p, group)
+                else:
+                    self._adamw(p, group)
+        return loss
+
+    def _muon(self, p: Tensor, group: dict[str, Any]) -> None:
+        """``torch.optim.Muon``'s step for one weight (a matrix, or filters taken as one)."""
+        assert p.grad is not None
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+        buf, momentum = state["momentum_buffer"], group["momentum"]
+        buf.lerp_(p.grad, 1 - momentum)
+        update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+        direction = orthogonalised(update, group["ns_steps"])
+        lr = group["lr"]
+        p.mul_(1 - lr * group["weight_decay"])
+        p.add_(direction, alpha=-lr * shape_scale(p.shape, group["adjust_lr"]))
+
+    def _adamw(self, p: Tensor, group: dict[str, Any]) -> None:
+        """``torch.optim.AdamW``'s step for one parameter."""
+        assert p.grad is not None
+        grad, state = p.grad, self.state[p]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"] += 1
+        beta1, beta2 = group["betas"]
+        lr, step = group["lr"], state["step"]
+        p.mul_(1 - lr * group["weight_decay"])
+        state["exp_avg"].lerp_(grad, 1 - beta1)
+        state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2**step)).add_(group["eps"])
+        p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1**step))
+
+
+def groups(
+    matrices: Sequence[nn.Parameter],
+    rest: Sequence[nn.Parameter],
+    lr: float,
+    momentum: float,
+    nesterov: bool,
+    weight_decay: float,
+    adjust_lr: str,
+    ns_steps: int,
+    adamw_lr: float,
+    betas: Sequence[float],
+    eps: float,
+    adamw_weight_decay: float,
+) -> list[dict[str, Any]]:
+    """The two parameter groups of :class:`Muon` (an empty one is left out)."""
+    out = []
+    if matrices:
+        out.append(
+            {
+                "params": list(matrices),
+                "muon": True,
+                "lr": lr,
+                "momentum": momentum,
+                "nesterov": nesterov,
+                "weight_decay": weight_decay,
+                "adjust_lr": adjust_lr,
+                "ns_steps": ns_steps,
+            }
+        )
+    if rest:
+        out.append(
+            {
+                "params": list(rest),
+                "muon": False,
+                "lr": adamw_lr,
+                "betas": tuple(betas),
+                "eps": eps,
+                "weight_decay": adamw_weight_decay,
+            }
+        )
+    return out
