@@ -248,7 +248,9 @@ def stages(cfg: KFACConfig, names: Stages, profile: Profile | None) -> StageSet:
         fusion=registry.FUSIONS.get(names.fusion)(fusion),
         placement=registry.PLACEMENTS.get(names.placement),
         invert=registry.INVERSES.get(names.inverse),
-        precondition=registry.PRECONDITIONERS.get(names.precondition)(cfg.kl_clip),
+        precondition=registry.PRECONDITIONERS.get(names.precondition)(
+            cfg.kl_clip, **({"normalize": cfg.normalize} if cfg.normalize != "none" else {})
+        ),
         pipeline=registry.PIPELINES.get(names.pipeline),
         broadcast=registry.BROADCASTS.get(names.broadcast),
         factor_sync=registry.FACTOR_SYNCS.get(names.factor_sync),

@@ -212,6 +212,9 @@ class MuonConfig:
     """Nesterov momentum (``torch.optim.Muon``'s)."""
     ns_steps: int = field(default=5, metadata=within(1, 100, "Newton-Schulz iterations"))
     """Newton-Schulz iterations of the orthogonalisation (five of three products each)."""
+    ns_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """The iterations' dtype: ``auto`` is bfloat16 on a GPU (every Muon's) and float32 on a CPU, which emulates
+    bfloat16 products at about 1/16 of float32's speed."""
     adjust_lr: Literal["original", "match_rms_adamw"] = "original"
     """The rate's scale by a matrix's shape ``out x in``: ``original`` ``sqrt(max(1, out / in))`` (Keller Jordan's),
     ``match_rms_adamw`` ``0.2 sqrt(max(out, in))`` (Moonshot's: AdamW's rate and decay serve)."""
@@ -327,6 +330,11 @@ class KFACConfig:
     """Running-average weight of the old factor, in [0, 1)."""
     kl_clip: float = field(default=0.001, metadata=at_least(0, "0 disables clipping"))
     """Scale the update so lr^2 * sum(v . g) <= kl_clip; 0 disables."""
+    normalize: Literal["none", "rms"] = "none"
+    """``rms``: scale each layer's preconditioned update (weight and bias together) to a root mean square of 1, so
+    that ``optim.lr`` is each layer's step per weight, as Muon's orthogonalisation and Adam do, and K-FAC chooses
+    the direction alone; KL clipping (whose one scale this replaces) is then off, and ``kfac.kl_clip`` away from
+    its default is refused. ``none``: the preconditioned gradient as it is."""
     factor_update_freq: int = field(default=1, metadata=at_least(1, "steps between factor updates"))
     """Steps between factor updates."""
     inv_update_freq: int = field(default=1, metadata=at_least(1, "steps between inverse updates"))

@@ -289,7 +289,7 @@ class KFACPreconditioner:
         step = self.core.steps
         lr = lr if lr is not None else (_at(self.lr, step) if self.lr is not None else None)
         if lr is None:
-            if self.cfg.kl_clip > 0:
+            if self.cfg.kl_clip > 0 and self.cfg.normalize == "none":
                 raise UserError(f"{WHERE}: KL clipping needs the learning rate: step(lr=...), lr=... or kl_clip=0.")
             lr = 1.0
         lr = _checked("lr", lr, step)

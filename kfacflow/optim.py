@@ -56,6 +56,7 @@ def muon_adamw(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
             cfg.weight_decay,
             m.adjust_lr,
             m.ns_steps,
+            m.ns_dtype,
             m.adamw_lr,
             cfg.betas,
             cfg.eps,

@@ -27,6 +27,7 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: tor
 def _groups(model: nn.Module, head: bool = False, **kw: object) -> list[dict[str, object]]:
     matrices, rest = muon.split(model, head)
     settings = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.01, adjust_lr="original", ns_steps=5)
+    settings["ns_dtype"] = "bfloat16"  # torch.optim.Muon's, on any device
     settings.update(kw)  # type: ignore[arg-type]
     return muon.groups(matrices, rest, **settings, adamw_lr=3e-3, betas=(0.9, 0.999), eps=1e-8, adamw_weight_decay=0.01)  # type: ignore[arg-type]
 
@@ -123,7 +124,8 @@ def _muon_over_kfac(rank: int, world: int) -> dict[str, list[torch.Tensor]]:
 
     torch.manual_seed(0)
     model = nn.Linear(6, 4)
-    opt = build_optimizer(model, OptimConfig(name="muon", lr=0.02, weight_decay=0.0, muon=MuonConfig(head=True)))
+    muon_cfg = MuonConfig(head=True, ns_dtype="bfloat16")  # torch.optim.Muon's
+    opt = build_optimizer(model, OptimConfig(name="muon", lr=0.02, weight_decay=0.0, muon=muon_cfg))
     pre = kfacflow.KFACPreconditioner(model, "d", damping=0.01, kl_clip=0.0)
     seen: dict[str, list[torch.Tensor]] = {"raw": [], "preconditioned": [], "weights": []}
     generator = torch.Generator().manual_seed(1 + rank)
@@ -158,3 +160,14 @@ def test_with_kfac_muon_orthogonalises_the_preconditioned_gradient() -> None:
     # and K-FAC changed what Muon saw: its orthogonalisation of the raw gradient is another direction
     raw, pre = (muon.orthogonalised(seen[k][0]).float() for k in ("raw", "preconditioned"))
     assert float((raw - pre).norm()) > 0.1 * float(raw.norm())
+
+
+def test_newton_schulz_runs_in_float32_on_a_cpu_unless_asked_for_bfloat16() -> None:
+    cpu = torch.zeros(2, 2)
+    assert muon.ns_dtype("auto", cpu) == torch.float32 and muon.ns_dtype("bfloat16", cpu) == torch.bfloat16
+    g = torch.randn(8, 20, generator=torch.Generator().manual_seed(0))
+    fine, coarse = muon.orthogonalised(g, dtype=torch.float32), muon.orthogonalised(g).float()
+    assert fine.dtype == torch.float32
+    torch.testing.assert_close(fine, coarse, rtol=0, atol=0.03)  # the same map, to bfloat16's rounding
+    singular = torch.linalg.svdvals(fine)
+    assert float(singular.min()) > 0.5 and float(singular.max()) < 1.3  # pushed towards 1, as Muon's

@@ -67,18 +67,24 @@ OPTIMIZERS = {
     "flow_10_100": ["kfac.variant=flow", *TEN_HUNDRED],
     "flow_10_100_16": ["kfac.variant=flow", "kfac.factor_examples=16", *TEN_HUNDRED],
     "spd": ["kfac.variant=spd", *ONE_TEN],
+    "flow_muon": ["kfac.variant=flow", *TEN_HUNDRED, "optim.name=muon"],
+    "flow_rms": ["kfac.variant=flow", *TEN_HUNDRED, "kfac.normalize=rms"],
     "recipe": [],
 }
 """What makes each optimizer of the comparison out of the recipe: K-FAC with factors every step and inverses
 every 10 (kfac-pytorch's CIFAR-10 defaults), or ``flow_10_100``: every 10 and 100 (its ImageNet defaults);
 ``flow_16`` and ``flow_8`` estimate the factors from 16 or 8 examples of each worker's batch
 (``kfac.factor_examples``), ``flow_10_100_16`` from 16 at the ImageNet intervals; ``muon``: Muon for matrices
-and filters, AdamW for the rest (``optim.name=muon``); ``recipe``: the recipe as it is (its own K-FAC settings)."""
+and filters, AdamW for the rest (``optim.name=muon``), ``flow_muon`` the same over K-FAC's preconditioned
+gradients; ``flow_rms``: each layer's preconditioned update at RMS 1 (``kfac.normalize=rms``); ``recipe``: the
+recipe as it is (its own K-FAC settings)."""
 GRIDS = {
     "sgd": "optim.lr:0.05,0.1,0.2",
     "adamw": "optim.lr:0.001,0.003",
     "muon": "optim.lr:0.01,0.02,0.05;optim.muon.momentum:0.9,0.95",
     **{name: "optim.lr:0.1;kfac.damping:0.03,0.1" for name in OPTIMIZERS if name not in FIRST_ORDER},
+    "flow_muon": "optim.lr:0.02,0.05;kfac.damping:0.1",
+    "flow_rms": "optim.lr:0.001,0.003,0.01;kfac.damping:0.1",
     "recipe": "",
 }
 """The default sweeps: the rates each optimizer is usually run at on small image models (every K-FAC one alike;

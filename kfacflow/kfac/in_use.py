@@ -44,6 +44,11 @@ def check(
     names = names or resolve(kfac)
     if not names.preconditioned:
         return
+    if kfac.normalize != "none" and kfac.kl_clip != KFACConfig.kl_clip:
+        raise UserError(
+            f"{where}{prefix}kl_clip={kfac.kl_clip} is not read with {prefix}normalize={kfac.normalize} (each layer's "
+            f"update is scaled on its own instead); leave {prefix}kl_clip out, or set {prefix}normalize=none."
+        )
     section = OmegaConf.to_object(kfac) if isinstance(kfac, DictConfig) else kfac
     assert isinstance(section, KFACConfig)
     runs = [resolve(replace(section, variant=preset)) for preset in PRESETS] if names.choose else [names]

@@ -57,12 +57,26 @@ def clip_scale(dots: list[Tensor], lr: float, kl_clip: float) -> Tensor:
     return torch.where(usable, torch.sqrt(kl_clip / vg).clamp(max=1.0), torch.ones_like(vg))
 
 
-class KFACPrecondition:
-    """Kronecker-factored natural gradient with KL clipping (Martens & Grosse 2015; Ba et al. 2017)."""
+def rms_normalized(updates: list[Tensor]) -> list[Tensor]:
+    """Each update divided by its root mean square (``kfac.normalize=rms``); an all-zero one is left as it is."""
+    with torch.no_grad():
+        out = []
+        for u in updates:
+            rms = torch.linalg.vector_norm(u.to(torch.float32)) / math.sqrt(u.numel())
+            out.append(u / torch.where(rms > 0, rms, torch.ones_like(rms)).to(u.dtype))
+        return out
 
-    def __init__(self, kl_clip: float) -> None:
-        self.kl_clip = kl_clip
-        self.clips = kl_clip > 0
+
+class KFACPrecondition:
+    """Kronecker-factored natural gradient with KL clipping (Martens & Grosse 2015; Ba et al. 2017).
+
+    With ``normalize="rms"`` each layer's update is scaled to RMS 1 instead (KL clipping off).
+    """
+
+    def __init__(self, kl_clip: float, normalize: str = "none") -> None:
+        self.normalize = normalize
+        self.kl_clip = kl_clip if normalize == "none" else 0.0
+        self.clips = self.kl_clip > 0
         self.scale: Tensor | None = None
         """The last step's clipping factor (1 where the step was not clipped), on the device; None before one."""
 
@@ -92,6 +106,9 @@ class KFACPrecondition:
 
     def finish(self, updates: list[Tensor], contributions: list[Tensor], lr: float) -> list[Tensor]:
         """Scale every layer's update by the KL clipping factor of them all (from each layer's ``v.g``)."""
+        if self.normalize == "rms":
+            self.scale = None
+            return rms_normalized(updates)
         if not self.clips or not contributions:
             self.scale = None
             return updates
@@ -136,8 +153,8 @@ class RowsPrecondition(KFACPrecondition):
     SHARE = 0.5
     """At most this share of the flops from the gradient, or the layer goes by its gradient."""
 
-    def __init__(self, kl_clip: float) -> None:
-        super().__init__(kl_clip)
+    def __init__(self, kl_clip: float, normalize: str = "none") -> None:
+        super().__init__(kl_clip, normalize)
         self.warned: set[str] = set()
 
     def rows_pay(self, rows: int, a_dim: int, g_dim: int) -> bool:

@@ -334,8 +334,8 @@ class PreconditionStage(Protocol):
         ...
 
 
-PreconditionFactory = Callable[[float], PreconditionStage]
-"""Builds the precondition stage from ``kfac.kl_clip``."""
+PreconditionFactory = Callable[..., PreconditionStage]
+"""Builds the precondition stage from ``kfac.kl_clip`` (and ``normalize=kfac.normalize`` where that is not ``none``)."""
 
 
 @dataclass(frozen=True)
