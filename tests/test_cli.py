@@ -424,10 +424,8 @@ def test_out_dir_check_creates_nothing(tmp_path: Path) -> None:
 
 
 def test_out_dir_not_writable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import kfacflow.config
-
     # os.access rather than chmod: root may write anywhere.
-    monkeypatch.setattr(kfacflow.config.os, "access", lambda path, mode: Path(path) != tmp_path)
+    monkeypatch.setattr("os.access", lambda path, mode: Path(path) != tmp_path)
     with pytest.raises(UserError, match=r"out_dir=.*runs.* is not writable; set out_dir"):
         check_out_dir(str(tmp_path / "runs" / "x"))
     assert list(tmp_path.iterdir()) == []
@@ -917,6 +915,7 @@ def test_explicit_stage_wins_in_summary(tmp_path: Path) -> None:
         "grad_sync": "overlap",
         "factor_sync": "allreduce",
         "factor_exchange": "update",
+        "precondition": "kfac",
         "choose": False,
     }
     assert summary["variant"] == "spd" and summary["steps"] == 2

@@ -212,3 +212,18 @@ def test_tta_refuses_an_override_of_a_key_it_sets_itself(
     line = str(refused.value)
     assert line.startswith(f"error: {override}: ") and says in line and "\n" not in line, line
     assert not made  # refused before any run
+
+
+def test_tta_reads_a_cached_run_only_where_it_was_trained_as_asked(tmp_path: Path) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("train: {epochs: 1}\n")
+    folder = tmp_path / "run"
+    folder.mkdir()
+    asked = [str(recipe), tta.hashlib.sha256(recipe.read_bytes()).hexdigest()[:12], "optim.lr=0.1"]
+    (folder / "summary.json").write_text(json.dumps({"val_acc": 0.5, "tta_run": asked}))
+    assert tta.train(str(recipe), ["optim.lr=0.1"], folder)["val_acc"] == 0.5  # as asked: read, not trained
+    with pytest.raises(SystemExit, match=r"was trained with other settings .*optim.lr=0.1.*give another --out"):
+        tta.train(str(recipe), ["optim.lr=0.2"], folder)
+    recipe.write_text("train: {epochs: 2}\n")  # the same command line, another recipe text
+    with pytest.raises(SystemExit, match=r"was trained with other settings"):
+        tta.train(str(recipe), ["optim.lr=0.1"], folder)

@@ -100,11 +100,12 @@ def test_schema_and_registry_import_nothing_else_of_kfacflow() -> None:
         "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] == 'kfacflow')))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["kfacflow", "kfacflow.config", "kfacflow.registry"]
+    assert out.split() == ["kfacflow", "kfacflow.config", "kfacflow.config_ranges", "kfacflow.registry"]
     graph = import_graph()
     # The package root holds only the exceptions every layer raises, and imports nothing of kfacflow
     # but, on first use of the name, the library API it re-exports (kfacflow.KFACPreconditioner).
-    assert graph["kfacflow"] == set() and graph["kfacflow.config"] == {"kfacflow"}
+    assert graph["kfacflow"] == set() and graph["kfacflow.config"] == {"kfacflow.config_ranges"}
+    assert graph["kfacflow.config_ranges"] == {"kfacflow"}
     assert {m: deps for m, deps in import_graph(lazy=True).items() if deps} == {"kfacflow": {"kfacflow.library"}}
     # The registry's only other imports are the stage types, for mypy (under TYPE_CHECKING).
     assert graph["kfacflow.registry"] <= {"kfacflow", "kfacflow.comm.base", "kfacflow.kfac.stages"}

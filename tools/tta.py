@@ -2,7 +2,9 @@
 
     python tools/fetch_fashion_mnist.py --out data/fashion-mnist
     python tools/tta.py recipes/fashion_cnn.yaml --epochs 4 --seeds 0,1,2 --targets 0.88,0.90 \
-        --out docs/results/tta_fashion_cnn
+        --out runs/tta_fashion_cnn
+
+By default the recipe as it is (``recipe``) races SGD, AdamW and Muon, each swept.
 
 For every optimizer (``--optimizers``) every point of its grid (``--grid``, or the defaults below)
 is trained with the first seed for the whole budget; the point with the best final validation
@@ -16,7 +18,7 @@ a key tta sets itself is refused in one line naming the option to use instead (`
 ``train.save`` and ``train.progress``, where the user's value wins. Every run is checked as ``run.py`` checks
 a recipe before the first starts. A run whose ``summary.json`` is already in ``--out``
 is read, not trained again, so an interrupted sweep resumes where it stopped (one trained with other settings,
-another ``--epochs`` or overrides, is refused in one line). A point whose run
+another ``--epochs``, overrides or recipe text, is refused in one line). A point whose run
 diverges (the updates overflow: ``run.py`` exits 3) is reported in ``tta.json``'s ``diverged`` and
 never chosen; a chosen point diverging on another seed ends the sweep.
 
@@ -39,6 +41,7 @@ first-order optimizer that every seed of which reached it) and
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import statistics
@@ -59,16 +62,16 @@ OPTIMIZERS = {
     "sgd": ["kfac.variant=sgd", "optim.name=sgd"],
     "adamw": ["kfac.variant=sgd", "optim.name=adamw"],
     "muon": ["kfac.variant=sgd", "optim.name=muon"],
-    "flow": ["kfac.variant=flow", *ONE_TEN],
-    "flow_reduce": ["kfac.variant=flow", "kfac.factor=reduce", *ONE_TEN],
-    "flow_staggered": ["kfac.variant=flow", "kfac.inverse_schedule=staggered", *ONE_TEN],
-    "flow_16": ["kfac.variant=flow", "kfac.factor_examples=16", *ONE_TEN],
-    "flow_8": ["kfac.variant=flow", "kfac.factor_examples=8", *ONE_TEN],
-    "flow_10_100": ["kfac.variant=flow", *TEN_HUNDRED],
-    "flow_10_100_16": ["kfac.variant=flow", "kfac.factor_examples=16", *TEN_HUNDRED],
-    "spd": ["kfac.variant=spd", *ONE_TEN],
+    "flow": ["optim.name=sgd", "kfac.variant=flow", *ONE_TEN],
+    "flow_reduce": ["optim.name=sgd", "kfac.variant=flow", "kfac.factor=reduce", *ONE_TEN],
+    "flow_staggered": ["optim.name=sgd", "kfac.variant=flow", "kfac.inverse_schedule=staggered", *ONE_TEN],
+    "flow_16": ["optim.name=sgd", "kfac.variant=flow", "kfac.factor_examples=16", *ONE_TEN],
+    "flow_8": ["optim.name=sgd", "kfac.variant=flow", "kfac.factor_examples=8", *ONE_TEN],
+    "flow_10_100": ["optim.name=sgd", "kfac.variant=flow", *TEN_HUNDRED],
+    "flow_10_100_16": ["optim.name=sgd", "kfac.variant=flow", "kfac.factor_examples=16", *TEN_HUNDRED],
+    "spd": ["optim.name=sgd", "kfac.variant=spd", *ONE_TEN],
     "flow_muon": ["kfac.variant=flow", *TEN_HUNDRED, "optim.name=muon"],
-    "flow_rms": ["kfac.variant=flow", *TEN_HUNDRED, "kfac.normalize=rms"],
+    "flow_rms": ["optim.name=sgd", "kfac.variant=flow", *TEN_HUNDRED, "kfac.normalize=rms"],
     "recipe": [],
 }
 """What makes each optimizer of the comparison out of the recipe: K-FAC with factors every step and inverses
@@ -76,8 +79,8 @@ every 10 (kfac-pytorch's CIFAR-10 defaults), or ``flow_10_100``: every 10 and 10
 ``flow_16`` and ``flow_8`` estimate the factors from 16 or 8 examples of each worker's batch
 (``kfac.factor_examples``), ``flow_10_100_16`` from 16 at the ImageNet intervals; ``muon``: Muon for matrices
 and filters, AdamW for the rest (``optim.name=muon``), ``flow_muon`` the same over K-FAC's preconditioned
-gradients; ``flow_rms``: each layer's preconditioned update at RMS 1 (``kfac.normalize=rms``); ``recipe``: the
-recipe as it is (its own K-FAC settings)."""
+gradients (every other K-FAC one takes SGD's step, whatever the recipe's optimizer); ``flow_rms``: each layer's
+preconditioned update at RMS 1 (``kfac.normalize=rms``); ``recipe``: the recipe as it is (its own K-FAC settings)."""
 GRIDS = {
     "sgd": "optim.lr:0.05,0.1,0.2",
     "adamw": "optim.lr:0.001,0.003",
@@ -115,6 +118,7 @@ def train(recipe: str, overrides: list[str], folder: Path) -> dict[str, Any]:
     so that a rerun does not train it again); any other failure ends the sweep.
     """
     summary_file, diverged = folder / "summary.json", folder / "diverged.txt"
+    asked = [recipe, hashlib.sha256(Path(recipe).read_bytes()).hexdigest()[:12], *overrides]  # the recipe's text too
     if diverged.is_file():
         return {"diverged": diverged.read_text().strip()}
     if not summary_file.is_file():
@@ -135,11 +139,11 @@ def train(recipe: str, overrides: list[str], folder: Path) -> dict[str, Any]:
         run_dir = Path(done.stdout.strip().splitlines()[-1])
         summary = json.loads((run_dir / "summary.json").read_text())
         summary["outside_wall_s"] = wall
-        summary["tta_run"] = [recipe, *overrides]  # what a rerun must ask for to read it instead of training
+        summary["tta_run"] = asked  # what a rerun must ask for to read it instead of training
         run_dir.rename(folder)  # a stable name, so that a rerun finds it
         summary_file.write_text(json.dumps(summary, indent=1))
     summary = json.loads(summary_file.read_text())
-    if summary.get("tta_run", [recipe, *overrides]) != [recipe, *overrides]:
+    if summary.get("tta_run", asked) != asked:
         raise SystemExit(
             f"error: {folder} was trained with other settings ({' '.join(summary['tta_run'])}); "
             "give another --out, or remove that folder to train it again"

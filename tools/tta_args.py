@@ -66,7 +66,7 @@ def parse(
         help="recipe overrides for every run (e.g. data.root=...); one of a key tta sets itself is refused, "
         "but train.save and train.progress are the user's",
     )
-    parser.add_argument("--optimizers", default="sgd,adamw,flow", help=f"of {', '.join(optimizers)}")
+    parser.add_argument("--optimizers", default="sgd,adamw,muon,recipe", help=f"of {', '.join(optimizers)}")
     parser.add_argument("--grid", action="append", default=[], metavar="NAME=KEY:V,V;KEY:V", help="a sweep")
     parser.add_argument("--epochs", type=count(1, "4"), default=4)
     parser.add_argument("--seeds", type=listed(count(0, "0", high=2**63 - 1), "0,1,2"), default="0,1,2")
