@@ -16,6 +16,7 @@ from helpers import QUICK, ROOT, run_tool
 
 sys.path.insert(0, str(ROOT / "tools"))
 
+import bench  # noqa: E402
 import fetch_fashion_mnist  # noqa: E402
 import simulate  # noqa: E402
 import tta  # noqa: E402
@@ -74,6 +75,7 @@ def _inputs(tmp: Path) -> dict[str, str]:
 
 SIM = ("{layers_json}", "{profile_yaml}")
 BAD = [
+    ("bench.py", ("quickstart", "--steps", "4", "--warmup", "4"), "--steps 4", None),
     ("tta.py", ("quickstart", "--seeds", "a,b"), "--seeds", None),
     ("tta.py", ("quickstart", "--seeds", ""), "--seeds", None),
     ("tta.py", ("quickstart", "--seeds", "0,0"), "--seeds", None),
@@ -117,7 +119,12 @@ BAD = [
     ("simulate.py", (*SIM, "--json", "{adir}"), "--json", None),
 ]
 """Tool, arguments, the argument the error line must name, and why the case is skipped as root (None: never)."""
-MAINS = {"tta.py": tta.main, "fetch_fashion_mnist.py": fetch_fashion_mnist.main, "simulate.py": simulate.main}
+MAINS = {
+    "bench.py": bench.main,
+    "tta.py": tta.main,
+    "fetch_fashion_mnist.py": fetch_fashion_mnist.main,
+    "simulate.py": simulate.main,
+}
 """Each tool's entry point (their programs as a whole run in tests/test_tools.py)."""
 
 

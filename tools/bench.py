@@ -52,6 +52,8 @@ sys.path.insert(0, str(ROOT))
 from kfacflow.timing import CATEGORIES  # noqa: E402
 
 LOOP = "tools/bench_loop.py"
+FLOW_KFAC = ["kfac.variant=flow", "kfac.precondition=kfac"]
+"""flow preconditioning every layer from its gradient (before ``rows`` became flow's own choice)."""
 CONFIGS: dict[str, dict[str, list[str]]] = {
     "variants": {
         "sgd": ["kfac.variant=sgd"],
@@ -59,7 +61,7 @@ CONFIGS: dict[str, dict[str, list[str]]] = {
         "D-KFAC": ["kfac.variant=d"],
         "MPD-KFAC": ["kfac.variant=mpd"],
         "SPD-KFAC": ["kfac.variant=spd"],
-        "flow": ["kfac.variant=flow"],
+        "flow": [*FLOW_KFAC],
         "flow+rows": ["kfac.variant=flow", "kfac.precondition=rows"],
     },
     "table4": {
@@ -73,14 +75,15 @@ CONFIGS: dict[str, dict[str, list[str]]] = {
         "+arrival": ["kfac.variant=spd", "kfac.pipeline=arrival"],
         "+deferred": ["kfac.variant=spd", "kfac.pipeline=arrival", "kfac.grad_sync=deferred"],
         "+link": ["kfac.variant=spd", "kfac.pipeline=arrival", "kfac.grad_sync=deferred", "kfac.placement=link"],
-        "+factor": ["kfac.variant=flow", "kfac.fusion=optimal", "kfac.placement=link", "kfac.broadcast=packed"],
-        "+keeps": ["kfac.variant=flow", "kfac.fusion=optimal", "kfac.placement=link", "kfac.broadcast=owner_keeps"],
-        "+full": ["kfac.variant=flow", "kfac.fusion=optimal", "kfac.placement=link", "kfac.broadcast=full"],
-        "+update": ["kfac.variant=flow", "kfac.fusion=optimal", "kfac.broadcast=update", "kfac.factor_sync=allreduce"],
-        "+fused": ["kfac.variant=flow", "kfac.fusion=optimal", "kfac.factor_sync=allreduce"],
-        "+split": ["kfac.variant=flow", "kfac.factor_sync=allreduce"],
-        "+owner": ["kfac.variant=flow"],
-        "layerwise": ["kfac.variant=flow", "kfac.fusion=layerwise"],
+        "+factor": [*FLOW_KFAC, "kfac.fusion=optimal", "kfac.placement=link", "kfac.broadcast=packed"],
+        "+keeps": [*FLOW_KFAC, "kfac.fusion=optimal", "kfac.placement=link", "kfac.broadcast=owner_keeps"],
+        "+full": [*FLOW_KFAC, "kfac.fusion=optimal", "kfac.placement=link", "kfac.broadcast=full"],
+        "+update": [*FLOW_KFAC, "kfac.fusion=optimal", "kfac.broadcast=update", "kfac.factor_sync=allreduce"],
+        "+fused": [*FLOW_KFAC, "kfac.fusion=optimal", "kfac.factor_sync=allreduce"],
+        "+split": [*FLOW_KFAC, "kfac.factor_sync=allreduce"],
+        "+owner": [*FLOW_KFAC],
+        "layerwise": [*FLOW_KFAC, "kfac.fusion=layerwise"],
+        "+rows": ["kfac.variant=flow"],  # flow as it is: layers preconditioned from their rows where that pays
     },
     "rare": {  # inverting rarely (--intervals 10/100): what the steps between inversions are worth sending
         "sgd": ["kfac.variant=sgd"],
@@ -367,6 +370,12 @@ def _terminate(signum: int, frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.steps <= args.warmup:
+        print(
+            f"error: --steps {args.steps} counts the --warmup {args.warmup} steps it discards: give more",
+            file=sys.stderr,
+        )
+        return 2
     every, args.steps, args.warmup = intervals(args.intervals, args.steps, args.warmup)
     signal.signal(signal.SIGTERM, _terminate)
     if args.cluster and args.backend == "horovod":
