@@ -231,6 +231,10 @@ def test_tta_reads_a_cached_run_only_where_it_was_trained_as_asked(tmp_path: Pat
     assert tta.train(str(recipe), ["optim.lr=0.1"], folder)["val_acc"] == 0.5  # as asked: read, not trained
     with pytest.raises(SystemExit, match=r"was trained with other settings .*optim.lr=0.1.*give another --out"):
         tta.train(str(recipe), ["optim.lr=0.2"], folder)
+    shipped = tta.hashlib.sha256((ROOT / "recipes" / "quickstart.yaml").read_bytes()).hexdigest()[:12]
+    (folder / "summary.json").write_text(json.dumps({"val_acc": 0.7, "tta_run": ["quickstart", shipped]}))
+    assert tta.train("quickstart", [], folder)["val_acc"] == 0.7  # a shipped recipe by its name
+    (folder / "summary.json").write_text(json.dumps({"val_acc": 0.5, "tta_run": asked}))
     recipe.write_text("train: {epochs: 2}\n")  # the same command line, another recipe text
     with pytest.raises(SystemExit, match=r"was trained with other settings"):
         tta.train(str(recipe), ["optim.lr=0.1"], folder)

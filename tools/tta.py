@@ -53,6 +53,8 @@ from typing import Any
 
 from tta_args import check_runs, parse, parse_grid, run_overrides
 
+from kfacflow.recipe import find_recipe
+
 ROOT = Path(__file__).resolve().parents[1]
 
 FIRST_ORDER = ("sgd", "adamw", "muon")
@@ -118,7 +120,8 @@ def train(recipe: str, overrides: list[str], folder: Path) -> dict[str, Any]:
     so that a rerun does not train it again); any other failure ends the sweep.
     """
     summary_file, diverged = folder / "summary.json", folder / "diverged.txt"
-    asked = [recipe, hashlib.sha256(Path(recipe).read_bytes()).hexdigest()[:12], *overrides]  # the recipe's text too
+    text = Path(find_recipe(recipe)).read_bytes()  # a shipped recipe's name too
+    asked = [recipe, hashlib.sha256(text).hexdigest()[:12], *overrides]  # the recipe's text too
     if diverged.is_file():
         return {"diverged": diverged.read_text().strip()}
     if not summary_file.is_file():
