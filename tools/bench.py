@@ -49,6 +49,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from where import record as record_where  # noqa: E402 - tools/, beside this file
+
 from kfacflow.timing import CATEGORIES  # noqa: E402
 
 LOOP = "tools/bench_loop.py"
@@ -370,13 +372,12 @@ def _terminate(signum: int, frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    if args.steps <= args.warmup:
-        print(
-            f"error: --steps {args.steps} counts the --warmup {args.warmup} steps it discards: give more",
-            file=sys.stderr,
-        )
-        return 2
+    steps = args.steps
+    # --intervals rounds the window up to a whole inverse period, so only a plain --steps can leave none
     every, args.steps, args.warmup = intervals(args.intervals, args.steps, args.warmup)
+    if args.steps <= args.warmup:
+        print(f"error: --steps {steps} counts the --warmup {args.warmup} steps it discards: give more", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, _terminate)
     if args.cluster and args.backend == "horovod":
         print("error: --backend horovod runs locally only (horovodrun reaches other nodes over ssh)", file=sys.stderr)
@@ -389,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    record_where(out)
     # Neither run stops at an epoch's end (an evaluation, a K-FAC checkpoint of hundreds of MB): a run twice
     # as long would cross one where the short run does not, and the outside clock would count it as steps.
     # Each run still evaluates and checkpoints once, at its end.

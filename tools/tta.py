@@ -51,6 +51,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import where
 from tta_args import check_runs, parse, parse_grid, run_overrides
 
 from kfacflow.recipe import find_recipe
@@ -341,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tta.json").write_text(json.dumps(result, indent=1))
+    where.record(args.out)
     (args.out / "tta.md").write_text(f"`{command}`\n\n{table}")
     swept = " or the legend's budget" if any(_budget(runs[0]) for runs in chosen.values()) else ""
     picture(
