@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, OmegaConf
 
 from kfacflow.config import KFACConfig
+from kfacflow.kfac.plan import EngineCaps
 from kfacflow.kfac.variants import PRESETS, Stages, resolve
 from kfacflow.perf import Profile
-from kfacflow.simulation import period
+from kfacflow.simulation import EVERY_ROUTE, period
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -46,10 +47,7 @@ def choose(
     profile: Profile,
     world_size: int,
     cfg: DictConfig,
-    scatters: bool = True,
-    gathers: bool = True,
-    reduces: bool = True,
-    direct: bool = False,
+    caps: EngineCaps = EVERY_ROUTE,
 ) -> str:
     """Simulate every preset on ``layers`` (this run's traced step) and ``profile``; return the fastest's name.
 
@@ -57,13 +55,13 @@ def choose(
     (:func:`~kfacflow.simulation.period`: at 10/100, the preset fastest at 10/100). Every preset
     runs the recipe's explicit stage choices, as it would if named; inversions traced with another
     method than a preset's are rescaled by the profile's models of both. The table is logged.
-    ``scatters``, ``gathers``, ``reduces``, ``direct``: what this run's engine can do
-    (:class:`~kfacflow.comm.base.Backend`), so no preset is chosen for a route the run would not take.
+    ``caps``: what this run's engine can do (:meth:`~kfacflow.kfac.plan.EngineCaps.of` its backend), so no
+    preset is chosen for a route the run would not take.
     """
     totals = {}
     for name in PRESETS:
         stages = resolve(preset_config(cfg, name))
-        parts = period(layers, profile, world_size, stages, True, cfg.kfac, scatters, gathers, reduces, direct)
+        parts = period(layers, profile, world_size, stages, True, cfg.kfac, caps)
         totals[name] = parts["total"]
     best = min(totals, key=lambda name: (totals[name], PRESETS.index(name)))
     table = ", ".join(f"{name} {seconds:.3f} s" for name, seconds in totals.items())
@@ -89,8 +87,7 @@ def switch(
     name = None
     if backend.rank == 0 and traced is not None:
         world = backend.world_size
-        caps = (backend.scatters, backend.gathers, backend.reduces, backend.direct)
-        name = choose(traced, kfac.profile, world, cfg, *caps)
+        name = choose(traced, kfac.profile, world, cfg, EngineCaps.of(backend))
     name = backend.broadcast_object(name)
     chosen = preset_config(cfg, name)
     stages = resolve(chosen)

@@ -42,6 +42,11 @@ def all_finite(tensors: Sequence[Tensor]) -> bool:
     return not sums or bool(torch.isfinite(torch.stack(sums)).all())
 
 
+def gradients_finite(model: nn.Module) -> bool:
+    """Whether every gradient of ``model`` is finite (:func:`all_finite`)."""
+    return all_finite([p.grad for p in model.parameters() if p.grad is not None])
+
+
 def check_replicas(model: nn.Module, optimizer: torch.optim.Optimizer, backend: Backend, step: int) -> int:
     """Check that every rank holds finite parameters identical to rank 0's; repair drift (collective).
 

@@ -293,7 +293,7 @@ class KFACPreconditioner:
                 raise UserError(f"{WHERE}: KL clipping needs the learning rate: step(lr=...), lr=... or kl_clip=0.")
             lr = 1.0
         lr = _checked("lr", lr, step)
-        self.core.cfg.damping = _checked("damping", _at(self.damping, step), step)
+        self.core.schedule.damping = _checked("damping", _at(self.damping, step), step)
         self._intervals(step)
         params = list(self.model.parameters())
         gradients = None if self._averaged is not None else self.core.stages.grad_sync.gradients(self.backend, params)

@@ -92,6 +92,10 @@ class Turn:
     of: int
 
 
+EVERY_ROUTE = EngineCaps(reduces=True, scatters=True, gathers=True)
+"""An engine that reduces to one rank and to several owners at once, and gathers (NCCL's)."""
+
+
 def simulate(
     layers: dict[str, Any],
     profile: Profile,
@@ -99,12 +103,9 @@ def simulate(
     stages: Stages,
     use_measured: bool = True,
     kfac: Any = None,
-    scatters: bool = True,
-    gathers: bool = True,
-    reduces: bool = True,
+    caps: EngineCaps = EVERY_ROUTE,
     factors: bool = True,
     inverting: bool | Turn = True,
-    direct: bool = False,
 ) -> dict[str, float]:
     """Return the breakdown and total of one step (seconds) of ``stages`` on ``workers`` ranks.
 
@@ -116,22 +117,17 @@ def simulate(
         use_measured: Inverse times as traced, where the trace has them; else the profile's model.
         kfac: The recipe's ``kfac`` section, where stages with settings of their own take them
             (:mod:`kfacflow.kfac.options`; ``None``: their defaults).
-        scatters: Whether the engine reduces to several owners at once (NCCL; gloo's is no faster than
-            its all-reduce): :attr:`~kfacflow.comm.base.Backend.scatters`.
-        gathers: Whether it gathers from several owners at once: :attr:`~kfacflow.comm.base.Backend.gathers`.
-        reduces: Whether it reduces to one rank (Horovod does not, nor gloo with CUDA tensors):
-            :attr:`~kfacflow.comm.base.Backend.reduces`.
+        caps: What the engine can do besides all-reduces and broadcasts (:meth:`EngineCaps.of` a backend;
+            by default every route: reductions to one rank and to several owners at once, gathers).
         factors: Whether the step updates factors (``kfac.factor_update_freq``); with
             ``kfac.factor_exchange=inversion`` only a step that inverts sends them.
         inverting: Whether it inverts (``kfac.inv_update_freq``), or which turn of a staggered period it is
             (``kfac.inverse_schedule=staggered``: the factors of that turn); :func:`period` takes the mean.
-        direct: Whether it sends each piece of a reduction to owners straight to its owner (gloo):
-            :attr:`~kfacflow.comm.base.Backend.direct`.
     """
     prof = scaled(profile.for_method(stages.inverse), workers)
     if use_measured:
         layers = with_method(layers, profile, stages.inverse)
-    caps, sync = EngineCaps(reduces, scatters, gathers, direct), registry.GRAD_SYNCS.get(stages.grad_sync)
+    sync = registry.GRAD_SYNCS.get(stages.grad_sync)
     kfac = kfac or KFACConfig()
     step, launches, elements = _passes(layers, prof, workers, stages, use_measured, kfac, caps, factors)
     if stages.factor_exchange == "inversion" and not inverting:
@@ -146,7 +142,7 @@ def simulate(
     # Factors to owners (as the plan routes them): one reduction per owner of a group (a broadcast
     # reversed: its cost), in one direction of the link between two ranks; the NCTs all-reduced.
     owner = dict(zip(step.keys, step.plan.factor_owners or (), strict=True)) if step.plan.factor_owners else {}
-    routing = Routing(owner, workers, prof.allreduce, prof.broadcast, scatters)
+    routing = Routing(owner, workers, prof.allreduce, prof.broadcast, caps.scatters)
     ops: list[tuple[float, int, int, list[str], int | None]] = [
         (at, 0, sum(elements[k] for k in part), part, dst)
         for at, keys in launches
@@ -189,10 +185,7 @@ def period(
     stages: Stages,
     use_measured: bool = True,
     kfac: Any = None,
-    scatters: bool = True,
-    gathers: bool = True,
-    reduces: bool = True,
-    direct: bool = False,
+    caps: EngineCaps = EVERY_ROUTE,
 ) -> dict[str, float]:
     """The mean step over one inverse period of ``kfac.factor_update_freq`` F and ``kfac.inv_update_freq`` I.
 
@@ -212,8 +205,8 @@ def period(
     total: dict[str, float] = {}
     for (factors, inverting), count in kinds:
         if count:
-            args = (use_measured, kfac, scatters, gathers, reduces, factors, inverting)
-            for part, seconds in simulate(layers, profile, workers, stages, *args, direct=direct).items():
+            step = simulate(layers, profile, workers, stages, use_measured, kfac, caps, factors, inverting)
+            for part, seconds in step.items():
                 total[part] = total.get(part, 0.0) + seconds * count / i
     return total
 
@@ -299,7 +292,17 @@ def step_plan(
     layout = [(r["a_dim"], r["g_dim"], r["params"]) for r in rows]
     keys = [f"{r['name']}/{side}" for r in rows for side in ("A", "G")]
     ready = [expected.get(k, 0.0) for k in keys] if expected is not None else None
-    return make_plan(layout, Choice.named(stages), workers, profile, caps, True, ready, None, inverse_every, staggered)
+    return make_plan(
+        layout,
+        Choice.named(stages),
+        workers,
+        profile,
+        caps,
+        settled=True,
+        ready=ready,
+        inverse_every=inverse_every,
+        staggered=staggered,
+    )
 
 
 def lower_bound(

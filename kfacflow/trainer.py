@@ -7,8 +7,8 @@ import logging
 import math
 import signal
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable, Iterator
+from functools import partial
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -16,21 +16,29 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 from torch import Tensor
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from kfacflow import auto, build, checkpointing, registry
 from kfacflow.build import Training
 from kfacflow.comm.base import Backend
-from kfacflow.consistency import all_finite, check_replicas, skipped
+from kfacflow.consistency import check_replicas, gradients_finite, skipped
 from kfacflow.data_checks import cross_entropy
+from kfacflow.evaluation import evaluate, moving_average
 from kfacflow.model_checks import explained
 from kfacflow.precision import MixedPrecision
 from kfacflow.records import RunRecords
 from kfacflow.runlog import RunLog
+from kfacflow.step_verdict import agree
 from kfacflow.timeline import layer_profile, traced_steps
 from kfacflow.timing import StepTimer
 
 logger = logging.getLogger(__name__)
+
+
+def micro_batches(loader: Iterable[tuple[Tensor, Tensor]], k: int) -> Iterator[list[tuple[Tensor, Tensor]]]:
+    """Yield the ``k`` micro-batches of each step of the epoch (an incomplete last group is dropped)."""
+    batches = iter(loader)
+    while len(group := list(islice(batches, k))) == k:
+        yield group
 
 
 class Trainer:
@@ -63,11 +71,7 @@ class Trainer:
         self.precision = MixedPrecision(cfg.train.amp, self.device, cfg.train.loss_scale)
         if self.kfac:
             self.kfac.grad_scaler = self.precision.scaler
-        self.ema = (
-            AveragedModel(self.model, multi_avg_fn=get_ema_multi_avg_fn(cfg.train.ema), use_buffers=True)
-            if cfg.train.ema > 0
-            else None
-        )
+        self.ema = moving_average(self.model, cfg.train.ema)
         """The moving average of the weights (``train.ema``); every rank keeps the same one."""
         self.step = 0
         self.records = RunRecords(cfg.train.stop_at_accuracy, cfg.train.timing_warmup, self.device)
@@ -117,12 +121,6 @@ class Trainer:
         """Parameter tensors restored from rank 0's so far, over resumes (see kfacflow.consistency)."""
         return self.records.repaired
 
-    @contextmanager
-    def _not_training(self) -> Iterator[None]:
-        """Leave the ``with`` body out of every step and out of the training seconds."""
-        with self.records.paused(), self.timer.outside():
-            yield
-
     @property
     def evaluated(self) -> bool:
         """Whether the validation set was evaluated after the current step."""
@@ -137,7 +135,7 @@ class Trainer:
             TrainingError: If the parameters are non-finite (nothing is written).
             StorageError: On every rank, if rank 0 could not write it (the previous ones stay).
         """
-        with self._not_training():
+        with self.records.paused(), self.timer.outside():  # out of every step and of the training seconds
             self.records.repaired += check_replicas(self.model, self.optimizer, self.backend, self.step)
             if self.cfg.train.save:  # every rank alike: the state is gathered collectively
                 checkpointing.save(self)
@@ -181,7 +179,7 @@ class Trainer:
             self.sampler.skip = offset * self.cfg.data.batch_size * self.accumulate
             if offset == 0:  # a resumed epoch goes on with the sums its checkpoint kept
                 self.records.epoch.zero_()
-            for batches in self._steps():
+            for batches in micro_batches(self.loader, self.accumulate):
                 loss, totals = self._train_step(batches)
                 self.records.add(totals)
                 self.report.advance(loss, epoch + 1)
@@ -203,12 +201,6 @@ class Trainer:
                 self._evaluate(epoch + 1 if done_epoch else self.step / self.steps_per_epoch)
             if done_epoch and not self.cfg.train.checkpoint_every and not last:
                 self.checkpoint()
-
-    def _steps(self) -> Iterator[list[tuple[Tensor, Tensor]]]:
-        """Yield the micro-batches of each step of the epoch (an incomplete last group is dropped)."""
-        batches = iter(self.loader)
-        while len(group := list(islice(batches, self.accumulate))) == self.accumulate:
-            yield group
 
     def _train_step(self, batches: list[tuple[Tensor, Tensor]]) -> tuple[float, Tensor]:
         """One optimizer step over ``batches`` (micro-batches).
@@ -248,10 +240,10 @@ class Trainer:
         gradients = sync.gradients(self.backend, list(self.model.parameters()))
         # Averaged gradients are the same on every rank: every rank makes the same choice here (deferred
         # gradients are not averaged yet; their preconditioned form is checked below).
-        usable = sync.usable(self.backend, self._gradients_finite) and math.isfinite(lr)
+        usable = sync.usable(self.backend, partial(gradients_finite, self.model)) and math.isfinite(lr)
         if self.kfac and usable:
             self.kfac.step(lr, gradients)
-            usable = self._gradients_finite()  # what is applied: the preconditioned gradients
+            usable = gradients_finite(self.model)  # what is applied: the preconditioned gradients
         elif self.kfac:
             self.kfac.skip_step(gradients)  # its collectives still run: every rank drops this step's factors
         skip, totals = self._agree_to_skip(usable, torch.stack([loss_sum, correct, loss_sum.new_tensor(samples)]))
@@ -283,9 +275,6 @@ class Trainer:
             data = f"{self.image} images, data.batch_size={self.cfg.data.batch_size}"
             raise explained(err, self.cfg.model.name, data, self.step <= self._began) from None
 
-    def _gradients_finite(self) -> bool:
-        return all_finite([p.grad for p in self.model.parameters() if p.grad is not None])
-
     def _next_step(self) -> None:
         """Clear the gradients and advance the schedule and the step count (a skipped step too)."""
         self.optimizer.zero_grad()  # set_to_none is the default (and all Horovod accepts)
@@ -298,31 +287,21 @@ class Trainer:
     def _agree_to_skip(self, finite_update: bool, stats: Tensor) -> tuple[bool, Tensor]:
         """Agree with every rank whether to skip this step (non-finite loss or update) and whether to stop.
 
-        One small all-reduce a step, which also sums ``stats`` (the metrics to log) over ranks: a
-        skipped step updates nothing on any rank, so ranks never diverge. Too many skips in a
-        row end training with a clear message, and so does a skip whose cause is already in the
-        parameters (an earlier update overflowed).
-
-        Args:
-            finite_update: Whether this rank's update is finite.
-            stats: This rank's loss sum, correct predictions and samples (float64, on the device);
-                a non-finite loss sum is a non-finite loss.
+        A skipped step updates nothing on any rank (:func:`kfacflow.step_verdict.agree`). Too many skips in a row
+        end training with a clear message, and so does a skip whose cause is already in the parameters (an
+        earlier update overflowed).
 
         Returns:
             Whether the step is skipped, and ``stats`` summed over ranks (on the CPU).
         """
-        bad_loss = ~torch.isfinite(stats[0])
-        bad = torch.logical_or(bad_loss, torch.tensor(not finite_update, device=stats.device))
-        head = torch.stack([bad.double(), stats.new_tensor(float(self.stop_requested)), bad_loss.double()])
-        flags = self.backend.allreduce_sum(torch.cat([head, stats])).cpu()  # the step's one read of the device
-        totals = flags[3:]
-        if flags[1] > 0:
+        verdict = agree(self.backend, finite_update, stats, self.stop_requested)
+        if verdict.stop:
             self.stopped_by = self.stop_requested or signal.SIGTERM
-        if flags[0] == 0:
+        if not verdict.skip:
             self.nonfinite_in_row = 0
-            return False, totals
+            return False, verdict.totals
         # float16's gradients overflow while the loss scale finds its level: the scaler's business, not a fault.
-        scaler_skip = self.precision.scaler is not None and flags[2] == 0
+        scaler_skip = self.precision.scaler is not None and verdict.loss_finite
         self.nonfinite_in_row += 0 if scaler_skip else 1
         self.records.skipped_steps += 1
         with torch.no_grad():
@@ -330,8 +309,8 @@ class Trainer:
                 buffer.copy_(saved)
         self._next_step()
         params, limit = list(self.model.parameters()), self.cfg.train.max_nonfinite
-        skipped(params, self.step, bool(scaler_skip), int(flags[0]), self.nonfinite_in_row, limit)
-        return True, totals
+        skipped(params, self.step, scaler_skip, verdict.bad_ranks, self.nonfinite_in_row, limit)
+        return True, verdict.totals
 
     def _traced(self, parts: dict[str, float], write: bool, choose: bool) -> None:
         """Gather the traced step's events from every rank: for rank 0's run log, and for ``kfac.variant=auto``."""
@@ -345,31 +324,10 @@ class Trainer:
             self.variant, self.stages = auto.switch(self.kfac, traced, self.cfg, self.backend, build.stages)
 
     def _evaluate(self, epoch: float) -> None:
-        seconds = self.records.train_seconds
-        with self._not_training(), torch.no_grad():
-            self._evaluate_now(epoch, seconds)
-
-    def _evaluate_now(self, epoch: float, seconds: float) -> None:
-        record = {"epoch": epoch, "step": self.step, "seconds": round(seconds, 3)}
-        for suffix, net in (("", self.net), ("_ema", self.ema)):
-            if net is None:
-                continue
-            net.eval()
-            sums = torch.zeros(3, dtype=torch.float64, device=self.device)
-            for x, y in self.val_loader:
-                x, y = x.to(self.device, self.dtype, memory_format=self.memory_format), y.to(self.device)
-                with self.precision.autocast():
-                    out = net(x).float()
-                sums += torch.stack(
-                    [
-                        cross_entropy(out, y, self.cfg.data.name, reduction="sum").double(),
-                        (out.argmax(1) == y).sum().double(),
-                        torch.tensor(float(y.shape[0]), dtype=torch.float64, device=self.device),
-                    ]
-                )
-            total = self.backend.allreduce_sum(sums).cpu()
-            n = max(float(total[2]), 1.0)
-            record |= {f"val_loss{suffix}": float(total[0]) / n, f"val_acc{suffix}": float(total[1]) / n}
+        record: dict[str, float] = {"epoch": epoch, "step": self.step, "seconds": round(self.records.train_seconds, 3)}
+        nets, data, layout = {"": self.net, "_ema": self.ema}, self.cfg.data.name, self.memory_format
+        with self.records.paused(), self.timer.outside(), torch.no_grad():  # out of every step and the seconds
+            record |= evaluate(nets, self.val_loader, self.backend, self.precision, data, layout, self.dtype)
         self.history.append(record)
         self.report.evaluation(record)
 

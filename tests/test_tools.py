@@ -20,6 +20,7 @@ import placement_floor  # noqa: E402
 import simulate  # noqa: E402
 
 from kfacflow import build, simulation  # noqa: E402
+from kfacflow.kfac.plan import EngineCaps  # noqa: E402
 from kfacflow.kfac.variants import Stages  # noqa: E402
 from kfacflow.recipe import load  # noqa: E402
 
@@ -392,9 +393,10 @@ def test_simulated_update_broadcasts_match_hand_computation() -> None:
     stages = _stages("after_backward", "layer", broadcast="update")
     shared = simulation.simulate(layers, prof, 2, stages)
     assert shared == pytest.approx(expect | {"InverseComm": 0.23, "Other": 0.2, "total": 11.18})
-    direct = simulation.simulate(layers, prof, 2, stages, direct=True)
+    direct = simulation.simulate(layers, prof, 2, stages, caps=replace(simulation.EVERY_ROUTE, direct=True))
     assert direct == pytest.approx(shared | {"InverseComm": 0.17, "total": 11.12})
-    assert simulation.simulate(layers, prof, 3, stages, direct=True) == simulation.simulate(layers, prof, 3, stages)
+    gloo = replace(simulation.EVERY_ROUTE, direct=True)
+    assert simulation.simulate(layers, prof, 3, stages, caps=gloo) == simulation.simulate(layers, prof, 3, stages)
     layers["layers"][0]["t_precondition"] = 0.1
     # Its bound shares the 0.3 s of preconditioning too; the others' bound does not.
     assert simulation.lower_bound(layers, prof, 2) == pytest.approx(4.0 + 2.0 + 3.5 + 0.3)
@@ -599,8 +601,9 @@ def test_simulated_gradients_to_owners_in_backward_by_hand() -> None:
     flow = _stages("after_backward", "layer", broadcast="update", grad_sync="between", factor_sync="owner")
     flow = replace(flow, factor_exchange="inversion")
     two = KFACConfig(inv_update_freq=2)
-    routed = simulation.simulate(layers, prof, 2, flow, kfac=two, scatters=False, inverting=False, direct=True)
-    ddp = simulation.simulate(layers, prof, 2, flow, kfac=two, scatters=False, inverting=False, direct=False)
+    direct, through = (EngineCaps(reduces=True, scatters=False, gathers=True, direct=d) for d in (True, False))
+    routed = simulation.simulate(layers, prof, 2, flow, kfac=two, caps=direct, inverting=False)
+    ddp = simulation.simulate(layers, prof, 2, flow, kfac=two, caps=through, inverting=False)
     assert routed["GradComm"] < ddp["GradComm"], (routed, ddp)
 
 

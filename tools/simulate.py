@@ -253,18 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         for v, stages in chosen.items():
             caps = ENGINES[args.engine]
             measured = args.inverse == "measured"
-            parts = period(
-                layers,
-                profile,
-                workers,
-                stages,
-                measured,
-                kfac,
-                caps.scatters,
-                caps.gathers,
-                caps.reduces,
-                caps.direct,
-            )
+            parts = period(layers, profile, workers, stages, measured, kfac, caps)
             results.append({"workers": workers, "variant": v, **parts})
             totals[v] = parts["total"]
             cols = " ".join(f"{parts[c]:>11.3f}" for c in PARTS)

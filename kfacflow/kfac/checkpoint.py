@@ -12,25 +12,23 @@ from kfacflow import UserError
 from kfacflow.kfac.stages import Inverse
 
 if TYPE_CHECKING:
+    from kfacflow.kfac.capture import Capture
     from kfacflow.kfac.stages import FactorSlot
-    from kfacflow.kfac.strategies import Step
 
 
-def state_of(pre: Step) -> dict[str, Any]:
+def state_of(inverses: dict[str, Inverse], running: dict[str, Tensor], steps: int, capture: Capture) -> dict[str, Any]:
     """Factors, inverses, the step counter and the layers in use.
 
-    Collective where owners alone hold their inverses (``kfac.broadcast=update``) or running
-    averages (``kfac.factor_sync=owner``): the owners send theirs to every rank here, so that the
-    checkpoint (rank 0's) holds them all.
+    ``inverses`` and ``running``: every one, on this rank. Where owners alone hold their inverses
+    (``kfac.broadcast=update``) or running averages (``kfac.factor_sync=owner``), the owners send
+    theirs to every rank first (collective), so that the checkpoint (rank 0's) holds them all.
     """
-    inverses = pre.stages.broadcast.every_inverse(pre)
-    running = pre.every_average()
     return {
-        "steps": pre.steps,
+        "steps": steps,
         "factors": dict(running),
         "inverses": {k: (v.kind, v.tensors) for k, v in inverses.items()},
-        "layers": dict(pre.capture.uses) if pre.capture.uses is not None else None,
-        "passes": pre.capture.passes,
+        "layers": dict(capture.uses) if capture.uses is not None else None,
+        "passes": capture.passes,
     }
 
 

@@ -18,16 +18,16 @@ from torch import Tensor
 
 from kfacflow.kfac.owners import every_running
 from kfacflow.kfac.plan import Choice
-from kfacflow.kfac.strategies import OWNERS_READ_FACTORS, FactorSync, Step
+from kfacflow.kfac.strategies import OWNERS_READ_FACTORS, Engine, FactorSync, Routes, State
 from kfacflow.registry import FACTOR_SYNCS
 
 
 class AllReduce(FactorSync):
     """Factors summed on every rank; every rank keeps every running average."""
 
-    def every_average(self, pre: Step) -> dict[str, Tensor]:
+    def every_average(self, state: State, plan: Routes, engine: Engine) -> dict[str, Tensor]:
         """Every rank has them."""
-        return pre.running
+        return state.running
 
 
 class Owner(AllReduce):
@@ -40,9 +40,9 @@ class Owner(AllReduce):
         """The plan reduces each factor to its owner (where the engine can)."""
         return replace(choice, factor_to_owner=True)
 
-    def every_average(self, pre: Step) -> dict[str, Tensor]:
+    def every_average(self, state: State, plan: Routes, engine: Engine) -> dict[str, Tensor]:
         """The owners' averages on every rank (collective)."""
-        return every_running(pre)
+        return every_running(state.running, plan.slots, engine.backend)
 
 
 FACTOR_SYNCS.add("allreduce", AllReduce(), "factors summed on every rank (the paper)")

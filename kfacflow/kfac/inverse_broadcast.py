@@ -3,10 +3,11 @@
 ``kfac.broadcast`` names one. An :class:`InverseBroadcast` (``packed``, ``owner_keeps``, ``full``)
 broadcasts each communicated inverse from its owner, and every rank preconditions every layer;
 the update broadcasts (``update``, ``fused_update``: :mod:`kfacflow.kfac.update_broadcast`) send
-layers' updates instead. The orchestrator asks a broadcast to invert (:meth:`invert`, and
-:meth:`invert_arriving` for a pipeline that inverts as factors arrive), to precondition and to
-give every inverse for a checkpoint; the simulator asks it to :meth:`replay` the same on its model
-of the link; what it decides of the plan it writes into the :class:`~kfacflow.kfac.plan.Choice`.
+layers' updates instead. The pipeline it is handed to asks it to invert (:meth:`invert`, and
+:meth:`invert_arriving` for a pipeline that inverts as factors arrive); the orchestrator asks it to
+precondition and to give every inverse for a checkpoint; the simulator asks it to :meth:`replay` the
+same on its model of the link; what it decides of the plan it writes into the
+:class:`~kfacflow.kfac.plan.Choice`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,17 @@ from torch import Tensor
 from kfacflow.kfac.plan import Choice
 from kfacflow.kfac.routes import batches
 from kfacflow.kfac.stages import EVERY_RANK, FactorSlot, Inverse
-from kfacflow.kfac.strategies import OWNERS_PRECONDITION, OWNERS_READ_FACTORS, Broadcast, Pipeline, Sent, Step
+from kfacflow.kfac.strategies import (
+    OWNERS_PRECONDITION,
+    OWNERS_READ_FACTORS,
+    Apply,
+    Broadcast,
+    Engine,
+    Pipeline,
+    Routes,
+    Sent,
+    State,
+)
 from kfacflow.registry import BROADCASTS
 from kfacflow.replay import Clock, Replay, per_element
 
@@ -52,15 +63,17 @@ class InverseBroadcast(Broadcast):
         """Inverses travel, packed or whole."""
         return replace(choice, full=self.full)
 
-    def invert(self, pre: Step, slots: list[FactorSlot]) -> list[Sent]:
+    def invert(self, state: State, engine: Engine, slots: list[FactorSlot]) -> list[Sent]:
         """Invert the ``slots`` this rank inverts; post the broadcast of every communicated one, in order."""
         sent: list[Sent] = []
-        for batch in batches(slots, pre.backend.device, pre.timer.tracing):
-            pre.invert(batch)
-            sent += [self._send(pre, slot) for slot in batch if slot.owner != EVERY_RANK]
+        for batch in batches(slots, engine.backend.device, engine.timer.tracing):
+            state.invert(batch)
+            sent += [self._send(state, engine, slot) for slot in batch if slot.owner != EVERY_RANK]
         return sent
 
-    def invert_arriving(self, pre: Step, arrivals: Iterator[dict[str, Tensor]]) -> list[Sent]:
+    def invert_arriving(
+        self, state: State, plan: Routes, engine: Engine, arrivals: Iterator[dict[str, Tensor]]
+    ) -> list[Sent]:
         """Invert in the plan's order, each factor as soon as its reduction has completed.
 
         The order stays the plan's (communicated factors by estimated finish, then the rest)
@@ -70,39 +83,43 @@ class InverseBroadcast(Broadcast):
         arrived: set[str] = set()
         sent: list[Sent] = []
         ready: list[FactorSlot] = []
-        for slot in pre.order:
+        for slot in plan.order:
             if slot.key not in arrived:  # invert what has come before waiting for more
-                sent += self.invert(pre, ready)
+                sent += self.invert(state, engine, ready)
                 ready = []
             while slot.key not in arrived and (averaged := next(arrivals, None)) is not None:
-                arrived.update(pre.average(averaged))
+                arrived.update(state.average(averaged))
             ready.append(slot)
-        sent += self.invert(pre, ready)
+        sent += self.invert(state, engine, ready)
         for averaged in arrivals:  # the rest (and the communicator's bookkeeping after the last)
-            pre.average(averaged)
+            state.average(averaged)
         return sent
 
-    def _send(self, pre: Step, slot: FactorSlot) -> Sent:
+    def _send(self, state: State, engine: Engine, slot: FactorSlot) -> Sent:
         """Post the broadcast of a communicated inverse: its owner's, or a buffer to receive it."""
+        backend, timer = engine.backend, engine.timer
         keep = False
-        if slot.owner == pre.backend.rank:
-            inverse = pre.inverses[slot.key]
+        if slot.owner == backend.rank:
+            inverse = state.inverses[slot.key]
             if self.full:
                 flat, keep = inverse.to_full(), inverse.full_exact()  # the owner's own bits travel
             else:
-                with pre.timer.span("InverseComm", slot.key, "pack"):
+                with timer.span("InverseComm", slot.key, "pack"):
                     flat = inverse.to_flat()
                     keep = self.owner_keeps and inverse.round_trip_exact()
         else:
-            flat = torch.empty(slot.flat_size, dtype=pre.inverse_dtype, device=pre.backend.device)
-        with pre.timer.span("InverseComm"):
-            handle = pre.backend.broadcast_async(flat, slot.owner)
-        pre.timer.on_done(handle, f"{slot.key} from {slot.owner}", "broadcast")
+            flat = torch.empty(slot.flat_size, dtype=state.inverse_dtype, device=backend.device)
+        with timer.span("InverseComm"):
+            handle = backend.broadcast_async(flat, slot.owner)
+        timer.on_done(handle, f"{slot.key} from {slot.owner}", "broadcast")
         return Sent(slot, flat, handle, keep)
 
     def precondition(
         self,
-        pre: Step,
+        state: State,
+        plan: Routes,
+        engine: Engine,
+        apply: Apply,
         live: list[tuple[KFACLayer, Tensor]],
         sent: list[Sent],
         early: Callable[[Callable[[], None]], None],
@@ -114,31 +131,31 @@ class InverseBroadcast(Broadcast):
         """
         waiting = {send.slot.key for send in sent}
         updates: dict[str, Tensor] = {}
-        result = pre.stages.invert.result
+        result = state.result
 
         def apply_ready() -> None:
             for layer, grad in live:
                 if layer.name not in updates and f"{layer.name}/A" not in waiting and f"{layer.name}/G" not in waiting:
-                    updates[layer.name] = pre.precondition_layer(layer, grad)
+                    updates[layer.name] = apply.layer(layer, grad)
 
         early(apply_ready)
         with torch.no_grad():
             for send in sent:
-                with pre.timer.span("InverseComm"):
+                with engine.timer.span("InverseComm"):
                     send.handle.wait()
                 if not send.keep:  # every rank holds the same bits: the broadcast copy
-                    pre.inverses[send.slot.key] = self._received(pre, result, send)
+                    state.inverses[send.slot.key] = self._received(engine, result, send)
                 waiting.discard(send.slot.key)
                 early(apply_ready)
         apply_ready()
-        stage = pre.stages.precondition
+        stage = apply.stage
         contributions = [stage.contribution(updates[layer.name], g) for layer, g in live] if stage.clips else []
         return updates, contributions
 
-    def _received(self, pre: Step, result: type[Inverse], send: Sent) -> Inverse:
+    def _received(self, engine: Engine, result: type[Inverse], send: Sent) -> Inverse:
         if self.full:
             return result.from_full(send.flat, send.slot.dim)
-        with pre.timer.span("InverseComm", f"{send.slot.key} unpack", "unpack"):
+        with engine.timer.span("InverseComm", f"{send.slot.key} unpack", "unpack"):
             return result.unflat(send.flat, send.slot.dim)
 
     def replay(self, r: Replay, pipeline: Pipeline) -> dict[str, float]:
@@ -200,9 +217,9 @@ class InverseBroadcast(Broadcast):
         last = max(ranks, key=lambda rank: rank.t)
         return r.breakdown(last, sum(pack[i] for i, _ in sent if owners[i] == ranks.index(last)))
 
-    def every_inverse(self, pre: Step) -> dict[str, Inverse]:
+    def every_inverse(self, state: State, plan: Routes, engine: Engine) -> dict[str, Inverse]:
         """Every rank holds every inverse already."""
-        return pre.inverses
+        return state.inverses
 
     def holds(self, owner: int | None, rank: int) -> bool:
         """Every rank applies every inverse (a checkpoint's are all restored)."""

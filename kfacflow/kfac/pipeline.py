@@ -17,7 +17,7 @@ from torch import Tensor
 
 from kfacflow.kfac.fusion import estimated_arrivals
 from kfacflow.kfac.plan import Choice
-from kfacflow.kfac.strategies import Pipeline, Sent, Step
+from kfacflow.kfac.strategies import Broadcast, Engine, Pipeline, Routes, Sent, State
 from kfacflow.registry import PIPELINES
 
 if TYPE_CHECKING:
@@ -27,11 +27,19 @@ if TYPE_CHECKING:
 class Barrier(Pipeline):
     """All factors, then all inverses, then every layer."""
 
-    def run(self, pre: Step, arrivals: Iterator[dict[str, Tensor]], inverting: bool) -> list[Sent]:
+    def run(
+        self,
+        broadcast: Broadcast,
+        state: State,
+        plan: Routes,
+        engine: Engine,
+        arrivals: Iterator[dict[str, Tensor]],
+        inverting: bool,
+    ) -> list[Sent]:
         """Average every factor as it comes; then, where the step inverts, invert and post in the plan's order."""
         for averaged in arrivals:
-            pre.average(averaged)
-        return pre.stages.broadcast.invert(pre, pre.order) if inverting else []
+            state.average(averaged)
+        return broadcast.invert(state, engine, plan.order) if inverting else []
 
     def early(self, apply: Callable[[], None]) -> None:
         """Nothing before every inverse is here."""
@@ -64,11 +72,19 @@ class InvertOnArrival(Barrier):
         """Each factor as its collective ends."""
         return ends
 
-    def run(self, pre: Step, arrivals: Iterator[dict[str, Tensor]], inverting: bool) -> list[Sent]:
+    def run(
+        self,
+        broadcast: Broadcast,
+        state: State,
+        plan: Routes,
+        engine: Engine,
+        arrivals: Iterator[dict[str, Tensor]],
+        inverting: bool,
+    ) -> list[Sent]:
         """Invert factors as they arrive (where the step inverts)."""
         if not inverting:
-            return super().run(pre, arrivals, inverting)
-        return pre.stages.broadcast.invert_arriving(pre, arrivals)
+            return super().run(broadcast, state, plan, engine, arrivals, inverting)
+        return broadcast.invert_arriving(state, plan, engine, arrivals)
 
 
 class Arrival(InvertOnArrival):

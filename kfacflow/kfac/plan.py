@@ -154,6 +154,7 @@ def make_plan(
     world: int,
     profile: Profile | None,
     caps: EngineCaps,
+    *,
     settled: bool = True,
     ready: Sequence[float] | None = None,
     rows: Sequence[int] | None = None,
@@ -161,7 +162,7 @@ def make_plan(
     staggered: bool = False,
     seconds: Sequence[float | None] | None = None,
 ) -> StepPlan:
-    """Plan a step.
+    """Plan a step (the inputs after ``caps`` by name: most are optional, and several alike in type).
 
     Args:
         layers: Each layer's ``(a_dim, g_dim, parameters)``, in the preconditioner's order.

@@ -36,26 +36,44 @@ def stagger(dims: Sequence[int], owners: Sequence[int], world: int, turns: int) 
 class Schedule:
     """Counts steps; says whether the current one updates factors and which factors it inverts.
 
-    Every ``factor_update_freq`` steps factors are updated. Every ``inv_update_freq`` steps every
-    factor is inverted (``kfac.inverse_schedule=all``); or (``staggered``) each factor is inverted
-    once per period of ``inv_update_freq`` steps at a factor update of its own turn
-    (:func:`stagger`), so that every factor update carries a share. The first step, and the first
-    after :meth:`refresh` (the model's layers changed: no inverse of the old plan may be used),
-    update and invert everything, whatever the intervals say.
+    Every ``factor_every`` steps factors are updated. Every ``inverse_every`` steps every factor is
+    inverted (``kfac.inverse_schedule=all``); or (``staggered``) each factor is inverted once per
+    period of ``inverse_every`` steps at a factor update of its own turn (:func:`stagger`), so that
+    every factor update carries a share. The first step, and the first after :meth:`refresh` (the
+    model's layers changed: no inverse of the old plan may be used), update and invert everything,
+    whatever the intervals say.
+
+    The run-time values live here, not in the recipe's ``kfac`` section: the intervals start as
+    ``kfac.factor_update_freq`` and ``kfac.inv_update_freq`` and the damping as ``kfac.damping``;
+    a schedule of the step (the library's) changes them from a step on (:meth:`set_intervals`,
+    :attr:`damping`), leaving the configuration as it was given.
     """
 
     def __init__(self, cfg: KFACConfig) -> None:
-        self.cfg = cfg
+        self.factor_every = cfg.factor_update_freq
+        """Steps between factor updates."""
+        self.inverse_every = cfg.inv_update_freq
+        """Steps between inversions (a multiple of :attr:`factor_every`)."""
+        self.damping = cfg.damping
+        """The Tikhonov damping the step's inversions use."""
+        self.spread = cfg.inverse_schedule == "staggered"
         self.steps = 0
         self._refresh = False
         self.turns: dict[str, int] = {}
         """Each factor's turn where staggered (by key); empty: every factor inverts on the same step."""
 
+    def set_intervals(self, factor_every: int, inverse_every: int) -> None:
+        """Update factors every ``factor_every`` steps and invert every ``inverse_every`` from this step on.
+
+        The turns depend on the intervals: :meth:`plan` gives them again.
+        """
+        self.factor_every, self.inverse_every = factor_every, inverse_every
+
     @property
     def staggered(self) -> int:
         """Turns in a period where inverses are staggered (``kfac.inverse_schedule=staggered``), else 0."""
-        turns = self.cfg.inv_update_freq // self.cfg.factor_update_freq
-        return turns if self.cfg.inverse_schedule == "staggered" and turns > 1 else 0
+        turns = self.inverse_every // self.factor_every
+        return turns if self.spread and turns > 1 else 0
 
     def plan(self, keys: Sequence[str], dims: Sequence[int], owners: Sequence[int], world: int) -> None:
         """Give each factor its turn (from a new plan, or new intervals)."""
@@ -68,19 +86,19 @@ class Schedule:
 
     def factors(self) -> bool:
         """Whether this step updates factors."""
-        return self._refresh or self.steps % self.cfg.factor_update_freq == 0
+        return self._refresh or self.steps % self.factor_every == 0
 
     def inverts(self) -> bool:
         """Whether this step inverts any factor."""
         if self.turns:  # every factor update inverts a turn (the first step inverts everything)
             return self.factors()
-        return self._refresh or self.steps % self.cfg.inv_update_freq == 0
+        return self._refresh or self.steps % self.inverse_every == 0
 
     def due(self, key: str) -> bool:
         """Whether this step inverts the factor ``key``."""
         if not self.turns or self._refresh or self.steps == 0:
             return self.inverts()
-        f = self.cfg.factor_update_freq
+        f = self.factor_every
         return self.steps % f == 0 and (self.steps // f) % self.staggered == self.turns[key]
 
     def advance(self, refreshed: bool = True) -> None:

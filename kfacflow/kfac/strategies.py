@@ -3,7 +3,10 @@
 Each kind is a ``Protocol`` here (:class:`Pipeline`, :class:`Broadcast`, :class:`GradSync`,
 :class:`FactorSync`); a strategy subclasses its kind's and is registered by name. It acts (the
 orchestrator, the trainer and the library call it, never inspect it) and replays its part on the
-simulator's model (:mod:`kfacflow.replay`).
+simulator's model (:mod:`kfacflow.replay`). It acts on what it is handed, never on the orchestrator:
+the running state (:class:`State`), the plan as laid onto this rank (:class:`Routes`), the engine
+(:class:`Engine`), the precondition stage (:class:`Apply`); a pipeline inverts through the broadcast
+it is given.
 
 Which go together is one generic check. A strategy declares ``needs``: each thing it relies on,
 with the name of its own kind to fall back to without it; ``gives``: what it lets the others rely
@@ -29,7 +32,6 @@ from kfacflow.kfac.plan import Choice
 
 if TYPE_CHECKING:
     from kfacflow.comm.base import Backend, Handle
-    from kfacflow.kfac.capture import Capture
     from kfacflow.kfac.layers import KFACLayer
     from kfacflow.kfac.stages import (
         FactorSlot,
@@ -40,7 +42,6 @@ if TYPE_CHECKING:
         Placement,
         PreconditionStage,
     )
-    from kfacflow.kfac.watch import Claims
     from kfacflow.perf import Profile
     from kfacflow.replay import Replay
     from kfacflow.timing import StepTimer
@@ -80,20 +81,43 @@ class Gradients(Protocol):
         ...
 
 
-class Step(Protocol):
-    """What a strategy may use of the orchestrator (:class:`~kfacflow.kfac.preconditioner.Preconditioner`)."""
+@dataclass(frozen=True)
+class Engine:
+    """What a strategy moves tensors with and times its work on: the communication engine and the step's timer."""
 
     backend: Backend
     timer: StepTimer
-    stages: StageSet
-    capture: Capture
-    claims: Claims
-    layers: list[KFACLayer]
-    slots: list[FactorSlot]
+
+
+class State(Protocol):
+    """What a strategy may use of the running state (:class:`~kfacflow.kfac.state.FactorState`)."""
+
     running: dict[str, Tensor]
     """Running averages, packed, of the factors this rank keeps."""
     inverses: dict[str, Inverse]
     inverse_dtype: torch.dtype
+
+    @property
+    def result(self) -> type[Inverse]:
+        """The inverses' type (the inverse method's): what a broadcast inverse is rebuilt as."""
+        ...
+
+    def average(self, averaged: dict[str, Tensor]) -> list[str]:
+        """Blend arrived factors into their running averages; return their keys."""
+        ...
+
+    def invert(self, batch: list[FactorSlot]) -> None:
+        """Invert the factors of ``batch`` this rank inverts."""
+        ...
+
+
+class Routes(Protocol):
+    """What a strategy may read of the plan as laid onto this rank (:class:`~kfacflow.kfac.plan_life.PlanLife`).
+
+    Read each where it is used: the plan may be made again while a step's factors arrive.
+    """
+
+    slots: list[FactorSlot]
     layer_order: list[KFACLayer]
     update_buckets: dict[str, list[str]]
     gathered: set[str]
@@ -104,24 +128,16 @@ class Step(Protocol):
         """The plan's inversion order, of the factors this step inverts."""
         ...
 
+
+class Apply(Protocol):
+    """The precondition stage on this preconditioner's layers (:class:`~kfacflow.kfac.layer_updates.LayerUpdates`)."""
+
     @property
-    def steps(self) -> int:
-        """Steps taken so far."""
+    def stage(self) -> PreconditionStage:
+        """The precondition stage (whether it clips, each layer's contribution to its ``finish``)."""
         ...
 
-    def average(self, averaged: dict[str, Tensor]) -> list[str]:
-        """Blend arrived factors into their running averages; return their keys."""
-        ...
-
-    def every_average(self) -> dict[str, Tensor]:
-        """Every running average, up to date, on this rank (collective)."""
-        ...
-
-    def invert(self, batch: list[FactorSlot]) -> None:
-        """Invert the factors of ``batch`` this rank inverts."""
-        ...
-
-    def precondition_layer(self, layer: KFACLayer, grad: Tensor) -> Tensor:
+    def layer(self, layer: KFACLayer, grad: Tensor) -> Tensor:
         """One layer's update from its gradient matrix and its two inverses."""
         ...
 
@@ -153,8 +169,16 @@ class Pipeline(Strategy, Protocol):
     The registered ones are in :mod:`kfacflow.kfac.pipeline`.
     """
 
-    def run(self, pre: Step, arrivals: Iterator[dict[str, Tensor]], inverting: bool) -> list[Sent]:
-        """Average the factors as they arrive; invert (where the step inverts) through the broadcast strategy."""
+    def run(
+        self,
+        broadcast: Broadcast,
+        state: State,
+        plan: Routes,
+        engine: Engine,
+        arrivals: Iterator[dict[str, Tensor]],
+        inverting: bool,
+    ) -> list[Sent]:
+        """Average the factors as they arrive; invert (where the step inverts) through ``broadcast``."""
         ...
 
     def early(self, apply: Callable[[], None]) -> None:
@@ -178,17 +202,22 @@ class Broadcast(Strategy, Protocol):
     The registered ones are in :mod:`kfacflow.kfac.inverse_broadcast` and :mod:`kfacflow.kfac.update_broadcast`.
     """
 
-    def invert(self, pre: Step, slots: list[FactorSlot]) -> list[Sent]:
+    def invert(self, state: State, engine: Engine, slots: list[FactorSlot]) -> list[Sent]:
         """Invert what this rank inverts of ``slots``; post what travels, in their order."""
         ...
 
-    def invert_arriving(self, pre: Step, arrivals: Iterator[dict[str, Tensor]]) -> list[Sent]:
+    def invert_arriving(
+        self, state: State, plan: Routes, engine: Engine, arrivals: Iterator[dict[str, Tensor]]
+    ) -> list[Sent]:
         """Average and invert the factors as their reductions complete."""
         ...
 
     def precondition(
         self,
-        pre: Step,
+        state: State,
+        plan: Routes,
+        engine: Engine,
+        apply: Apply,
         live: list[tuple[KFACLayer, Tensor]],
         sent: list[Sent],
         early: Callable[[Callable[[], None]], None],
@@ -196,7 +225,7 @@ class Broadcast(Strategy, Protocol):
         """Return every live layer's update and its contribution to the precondition stage's ``finish``."""
         ...
 
-    def every_inverse(self, pre: Step) -> dict[str, Inverse]:
+    def every_inverse(self, state: State, plan: Routes, engine: Engine) -> dict[str, Inverse]:
         """Every inverse on this rank (for a checkpoint; collective where owners alone hold theirs)."""
         ...
 
@@ -258,7 +287,7 @@ class FactorSync(Strategy, Protocol):
     The registered ones are in :mod:`kfacflow.kfac.factor_sync`.
     """
 
-    def every_average(self, pre: Step) -> dict[str, Tensor]:
+    def every_average(self, state: State, plan: Routes, engine: Engine) -> dict[str, Tensor]:
         """Every running average on this rank (collective where owners alone keep theirs)."""
         ...
 

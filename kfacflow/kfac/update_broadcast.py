@@ -24,7 +24,17 @@ from kfacflow.kfac.owners import every_inverse
 from kfacflow.kfac.plan import Choice, EngineCaps
 from kfacflow.kfac.routes import batches
 from kfacflow.kfac.stages import EVERY_RANK, FactorSlot, Inverse
-from kfacflow.kfac.strategies import OWNERS_PRECONDITION, OWNERS_READ_FACTORS, Broadcast, Pipeline, Sent, Step
+from kfacflow.kfac.strategies import (
+    OWNERS_PRECONDITION,
+    OWNERS_READ_FACTORS,
+    Apply,
+    Broadcast,
+    Engine,
+    Pipeline,
+    Routes,
+    Sent,
+    State,
+)
 from kfacflow.registry import BROADCASTS
 from kfacflow.replay import Clock, Replay, counts
 
@@ -48,22 +58,27 @@ class UpdateBroadcast(Broadcast):
         """Updates travel (whole layers to owners), in buckets where fused."""
         return replace(choice, update=True, fused=self.fused)
 
-    def invert(self, pre: Step, slots: list[FactorSlot]) -> list[Sent]:
+    def invert(self, state: State, engine: Engine, slots: list[FactorSlot]) -> list[Sent]:
         """Invert what this rank holds; nothing is sent (the owners send their layers' updates)."""
-        for batch in batches(slots, pre.backend.device, pre.timer.tracing):
-            pre.invert(batch)
+        for batch in batches(slots, engine.backend.device, engine.timer.tracing):
+            state.invert(batch)
         return []
 
-    def invert_arriving(self, pre: Step, arrivals: Iterator[dict[str, Tensor]]) -> list[Sent]:
+    def invert_arriving(
+        self, state: State, plan: Routes, engine: Engine, arrivals: Iterator[dict[str, Tensor]]
+    ) -> list[Sent]:
         """No inverse is sent, so no order binds the ranks: invert what has come, each reduction as it completes."""
         for group in arrivals:
-            pre.average(group)
-            self.invert(pre, [slot for slot in pre.order if slot.key in group])
+            state.average(group)
+            self.invert(state, engine, [slot for slot in plan.order if slot.key in group])
         return []
 
     def precondition(
         self,
-        pre: Step,
+        state: State,
+        plan: Routes,
+        engine: Engine,
+        apply: Apply,
         live: list[tuple[KFACLayer, Tensor]],
         sent: list[Sent],
         early: Callable[[Callable[[], None]], None],
@@ -78,51 +93,52 @@ class UpdateBroadcast(Broadcast):
         all-reduce of zero-filled float64 slots.
         """
         grads = {layer.name: g for layer, g in live}
-        rank = pre.backend.rank
-        owner = {slot.layer.name: slot.owner for slot in pre.slots}
-        bucketed = {name for names in pre.update_buckets.values() for name in names}
-        stage = pre.stages.precondition
-        from_owners = bool(pre.grad_owned) and stage.clips
+        backend, timer = engine.backend, engine.timer
+        rank = backend.rank
+        owner = {slot.layer.name: slot.owner for slot in plan.slots}
+        bucketed = {name for names in plan.update_buckets.values() for name in names}
+        stage = apply.stage
+        from_owners = bool(plan.grad_owned) and stage.clips
         updates: dict[str, Tensor] = {}
         mine: dict[str, Tensor] = {}
         posted: list[tuple[list[str], Handle]] = []
         alone = [
             layer.name
-            for layer in pre.layer_order
+            for layer in plan.layer_order
             if layer.name in grads and owner[layer.name] != EVERY_RANK and layer.name not in bucketed
         ]
-        tags = self._receive(pre, alone, grads, owner, updates, posted)
+        tags = self._receive(engine, alone, grads, owner, updates, posted)
         with torch.no_grad():
-            for layer in pre.layer_order:
+            for layer in plan.layer_order:
                 grad, src = grads.get(layer.name), owner[layer.name]
                 if grad is not None and src in (EVERY_RANK, rank):
-                    updates[layer.name] = pre.precondition_layer(layer, grad).contiguous()
+                    updates[layer.name] = apply.layer(layer, grad).contiguous()
                     if from_owners and src == rank:
                         mine[layer.name] = stage.contribution(updates[layer.name], grad)
-                if layer.name in pre.update_buckets:
-                    posted += self._post_bucket(pre, layer.name, grads, updates, owner)
+                if layer.name in plan.update_buckets:
+                    posted += self._post_bucket(plan, engine, layer.name, grads, updates, owner)
                 elif layer.name in tags and src == rank:
-                    with pre.timer.span("InverseComm"):
-                        for dst in range(pre.backend.world_size):
+                    with timer.span("InverseComm"):
+                        for dst in range(backend.world_size):
                             if dst != rank:
-                                posted.append(([], pre.backend.send_async(updates[layer.name], dst, tags[layer.name])))
+                                posted.append(([], backend.send_async(updates[layer.name], dst, tags[layer.name])))
                 elif grad is not None and layer.name in alone and not tags:
                     if src != rank:
                         updates[layer.name] = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
-                    with pre.timer.span("InverseComm"):
-                        handle = pre.backend.broadcast_async(updates[layer.name], src)
-                    pre.timer.on_done(handle, f"{layer.name} update from {src}", "broadcast")
+                    with timer.span("InverseComm"):
+                        handle = backend.broadcast_async(updates[layer.name], src)
+                    timer.on_done(handle, f"{layer.name} update from {src}", "broadcast")
                     posted.append(([], handle))
             sent_layers = [name for name in grads if owner[name] != EVERY_RANK]
             dots: Handle | None = None
             if from_owners and sent_layers:  # x + 0 == x: every rank receives each owner's bits
-                slots = torch.zeros(len(sent_layers), dtype=torch.float64, device=pre.backend.device)
+                slots = torch.zeros(len(sent_layers), dtype=torch.float64, device=backend.device)
                 for i, name in enumerate(sent_layers):
                     if name in mine:
                         slots[i] = mine[name]
-                dots = Piece(pre.backend.allreduce_async(slots), slots)
+                dots = Piece(backend.allreduce_async(slots), slots)
             for names, handle in posted:  # names: a bucket's layers, to be cut out of it
-                with pre.timer.span("InverseComm"):
+                with timer.span("InverseComm"):
                     buffer = handle.wait()
                 offset = 0
                 for name in names:
@@ -136,7 +152,7 @@ class UpdateBroadcast(Broadcast):
 
     def _receive(
         self,
-        pre: Step,
+        engine: Engine,
         alone: list[str],
         grads: dict[str, Tensor],
         owner: dict[str, int],
@@ -150,11 +166,11 @@ class UpdateBroadcast(Broadcast):
         updates leave as it computes them (:meth:`~kfacflow.kfac.plan.EngineCaps.sends_updates_direct`).
         Elsewhere nothing is posted and no tag taken: the updates are broadcast in the walk.
         """
-        backend = pre.backend
+        backend = engine.backend
         if not EngineCaps.of(backend).sends_updates_direct(backend.world_size):
             return {}
         tags: dict[str, int] = {}
-        with pre.timer.span("InverseComm"):
+        with engine.timer.span("InverseComm"):
             for name in alone:
                 grad = grads[name]
                 tags[name] = backend.reserve(grad)
@@ -165,7 +181,8 @@ class UpdateBroadcast(Broadcast):
 
     def _post_bucket(
         self,
-        pre: Step,
+        plan: Routes,
+        engine: Engine,
         key: str,
         live: dict[str, Tensor],
         updates: dict[str, Tensor],
@@ -177,17 +194,18 @@ class UpdateBroadcast(Broadcast):
         rank adds zeros to each owner's piece of an all-reduced buffer (``x + 0 == x`` exactly).
         Either way every rank (the owner too, which takes the received copy) ends with the owner's bits.
         """
-        names = [name for name in pre.update_buckets[key] if name in live]
+        names = [name for name in plan.update_buckets[key] if name in live]
         if not names:
             return []
         first = live[names[0]]
-        with pre.timer.span("InverseComm"):
-            if key in pre.gathered:
+        backend, timer = engine.backend, engine.timer
+        with timer.span("InverseComm"):
+            if key in plan.gathered:
                 names = sorted(names, key=lambda name: owner[name])  # stable: the bucket's order within a rank
-                counts = [sum(live[n].numel() for n in names if owner[n] == r) for r in range(pre.backend.world_size)]
-                own = [updates[n].reshape(-1) for n in names if owner[n] == pre.backend.rank]
+                counts = [sum(live[n].numel() for n in names if owner[n] == r) for r in range(backend.world_size)]
+                own = [updates[n].reshape(-1) for n in names if owner[n] == backend.rank]
                 piece = torch.cat(own) if own else first.new_empty(0)
-                handle: Handle = pre.backend.gather_async(piece, counts)
+                handle: Handle = backend.gather_async(piece, counts)
             else:
                 buffer = first.new_zeros(sum(live[name].numel() for name in names))
                 offset = 0
@@ -195,8 +213,8 @@ class UpdateBroadcast(Broadcast):
                     if name in updates:
                         buffer[offset : offset + live[name].numel()].copy_(updates[name].reshape(-1))
                     offset += live[name].numel()
-                handle = Piece(pre.backend.allreduce_async(buffer), buffer)
-        pre.timer.on_done(handle, f"{len(names)} updates, {names[0]}..{names[-1]}", "broadcast")
+                handle = Piece(backend.allreduce_async(buffer), buffer)
+        timer.on_done(handle, f"{len(names)} updates, {names[0]}..{names[-1]}", "broadcast")
         return [(names, handle)]
 
     def replay(self, r: Replay, pipeline: Pipeline) -> dict[str, float]:
@@ -253,9 +271,9 @@ class UpdateBroadcast(Broadcast):
             rank.wait(max(ends, default=0.0), "InverseComm")
         return r.breakdown(max(ranks, key=lambda rank: rank.t))
 
-    def every_inverse(self, pre: Step) -> dict[str, Inverse]:
+    def every_inverse(self, state: State, plan: Routes, engine: Engine) -> dict[str, Inverse]:
         """Each inverse lives on its owner only: the owners send theirs to every rank (collective)."""
-        return every_inverse(pre)
+        return every_inverse(state.inverses, plan.slots, engine.backend)
 
     def holds(self, owner: int | None, rank: int) -> bool:
         """A rank needs its own layers' inverses only."""

@@ -1,0 +1,92 @@
+"""The precondition phase of a step: each layer's update, timed, through the broadcast, and the KL clipping's scales."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from kfacflow.kfac.layers import KFACLayer
+from kfacflow.kfac.stages import PreconditionStage
+
+if TYPE_CHECKING:
+    from kfacflow.kfac.plan_life import PlanLife
+    from kfacflow.kfac.rows import RowCapture
+    from kfacflow.kfac.state import FactorState
+    from kfacflow.kfac.strategies import Engine, Gradients, Sent
+
+
+class LayerUpdates:
+    """Each layer's update from its gradient, its two inverses and (where it goes by them) its rows.
+
+    The broadcast strategy preconditions the layers (:meth:`precondition`), applying what this
+    gives it (:class:`~kfacflow.kfac.strategies.Apply`). Each layer is timed for the trace, and for
+    the placement while the plan's life measures the layers (:class:`~kfacflow.kfac.measured.LayerTimes`).
+    The stage's ``finish`` (KL clipping) leaves a scale a step, summed on the device until
+    :meth:`mean_clip_scale` reads it.
+    """
+
+    def __init__(self, state: FactorState, life: PlanLife, rows: RowCapture, engine: Engine) -> None:
+        self.state, self.life, self.rows, self.engine, self.timer = state, life, rows, engine, engine.timer
+        self.clip_sum: tuple[Tensor, int] | None = None
+        """The sum of the steps' KL clipping factors since :meth:`mean_clip_scale` last read it, and their count."""
+
+    @property
+    def stage(self) -> PreconditionStage:
+        """The precondition stage of the stages now run."""
+        return self.life.stages.precondition
+
+    def layer(self, layer: KFACLayer, grad: Tensor) -> Tensor:
+        """Return one layer's update from its gradient matrix and its two inverses (timed per layer)."""
+        t0 = self.timer.now()
+        times = self.life.layer_times
+        start = times.start() if times.measuring else None
+        inverses = self.state.inverses
+        a_inv, g_inv = inverses[f"{layer.name}/A"], inverses[f"{layer.name}/G"]
+        rows = self.rows.get(layer.name)
+        stage = self.stage
+        update = stage.layer(grad, a_inv, g_inv) if rows is None else stage.layer(grad, a_inv, g_inv, rows)
+        if start is not None:
+            times.note(layer.name, start)
+        self.timer.record(layer.name, "precondition", t0, self.timer.now())
+        return update
+
+    def precondition(self, lr: float, sent: list[Sent], gradients: Gradients | None) -> None:
+        """Precondition every layer as the broadcast strategy does it, then what depends on all of them."""
+        if gradients is not None:
+            with self.timer.span("GradComm"):
+                gradients.wait()
+            self.rows.rebuild(gradients, self.life.owned_elsewhere())
+        live = [(layer, g) for layer in self.life.layers if (g := layer.grad_matrix()) is not None]
+        stages = self.life.stages
+        updates, contributions = stages.broadcast.precondition(
+            self.state, self.life, self.engine, self, live, sent, stages.pipeline.early
+        )
+        stage = self.stage
+        final = stage.finish([updates[layer.name] for layer, _ in live], contributions, lr)
+        scale = getattr(stage, "scale", None)
+        if scale is not None:  # added on the device: no synchronisation a step
+            total, n = self.clip_sum or (0.0, 0)
+            self.clip_sum = (scale + total, n + 1)
+        for (layer, _), update in zip(live, final, strict=True):
+            layer.set_grad(update)
+
+    def mean_clip_scale(self) -> float | None:
+        """The mean factor KL clipping scaled the updates by over the steps since the last call (1: none was clipped).
+
+        None where no step was clipped by a stage that keeps its factor (``kfac.kl_clip=0``). Reads the device.
+        """
+        if self.clip_sum is None:
+            return None
+        total, n = self.clip_sum
+        self.clip_sum = None
+        return float(total) / n
+
+    def saved(self) -> tuple[Tensor, int] | None:
+        """The scales :meth:`mean_clip_scale` has yet to read, for a checkpoint: a resumed run's next row has them."""
+        return None if self.clip_sum is None else (torch.as_tensor(self.clip_sum[0]).cpu(), self.clip_sum[1])
+
+    def restore(self, saved: Any, device: torch.device) -> None:
+        """Take what :meth:`saved` gave (``None`` too) back, onto ``device``."""
+        self.clip_sum = None if saved is None else (torch.as_tensor(saved[0]).to(device), int(saved[1]))
