@@ -37,18 +37,20 @@ class Range:
         above = value > self.low if self.low_open else value >= self.low
         return above and value < self.high
 
+    def rule(self, number: bool = False) -> str:
+        """The bounds in words: ``>= 0``, ``in [0, 1)``; ``number``: a float, said to be finite."""
+        if math.isinf(self.high):
+            op = f"{'>' if self.low_open else '>='} {_number(self.low)}"
+            return f"a finite number {op}" if number else op
+        opening = "(" if self.low_open else "["
+        return f"in {opening}{_number(self.low)}, {self.high_text or _number(self.high)})"
+
     def check(self, key: str, value: float) -> None:
         """Raise a :class:`UserError` naming ``key`` unless :meth:`holds`."""
         if self.holds(value):
             return
-        if math.isinf(self.high):
-            op = f"{'>' if self.low_open else '>='} {_number(self.low)}"
-            rule = f"a finite number {op}" if isinstance(value, float) else op
-        else:
-            opening = "(" if self.low_open else "["
-            rule = f"in {opening}{_number(self.low)}, {self.high_text or _number(self.high)})"
         hint = f" ({self.hint})" if self.hint else ""
-        raise UserError(f"{key}={value} must be {rule}{hint}.")
+        raise UserError(f"{key}={value} must be {self.rule(isinstance(value, float))}{hint}.")
 
 
 def at_least(low: float, hint: str = "") -> dict[str, Range]:

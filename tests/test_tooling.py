@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -25,18 +26,20 @@ def lazy_exports(tree: ast.Module) -> set[ast.AST]:
     return {node for hook in hooks for node in ast.walk(hook) if isinstance(node, ast.Import | ast.ImportFrom)}
 
 
-def import_graph(lazy: bool = False) -> dict[str, set[str]]:
+def import_graph(lazy: bool = False, runtime: bool = False) -> dict[str, set[str]]:
     """Every kfacflow module and the kfacflow modules it imports anywhere (in functions, for mypy only too).
 
     ``lazy``: only the imports of a module's ``__getattr__`` instead (the root's re-export of the library API).
+    ``runtime``: without the imports under ``if TYPE_CHECKING:``, which only mypy reads.
     """
     modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for name, path in modules.items():
         tree = ast.parse(path.read_text())
         hooked = lazy_exports(tree)
+        unread = type_checking_imports(tree) if runtime else set()
         for node in ast.walk(tree):
-            if (node in hooked) != lazy:
+            if (node in hooked) != lazy or node in unread:
                 continue
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -50,6 +53,12 @@ def import_graph(lazy: bool = False) -> dict[str, set[str]]:
                 if target.startswith("kfacflow") and target != name:
                     graph[name].add(target)
     return graph
+
+
+def type_checking_imports(tree: ast.Module) -> set[ast.AST]:
+    """The import nodes under ``if TYPE_CHECKING:``: for mypy, never run."""
+    guarded = [n for n in ast.walk(tree) if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test)]
+    return {node for block in guarded for stmt in block.body for node in ast.walk(stmt)}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -142,3 +151,74 @@ def test_ruff_sees_every_tracked_python_file() -> None:
     linted = {str(Path(line).resolve().relative_to(ROOT)) for line in seen.stdout.split() if line.endswith(".py")}
     missing = sorted(set(tracked.stdout.split()) - linted)
     assert not missing, f"ruff does not lint {missing}: list them in [tool.ruff] include"
+
+
+MODULE_LINES, CLASS_LINES = 400, 300
+"""The house's limits: a module a newcomer reads in one go, a class that holds one idea."""
+
+
+def oversized(package: Path = PACKAGE) -> list[str]:
+    """Every package module over :data:`MODULE_LINES` lines and every class over :data:`CLASS_LINES`."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        text = path.read_text()
+        name = path.relative_to(package.parent)
+        if (lines := len(text.splitlines())) > MODULE_LINES:
+            found.append(f"{name}: {lines} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and (size := node.end_lineno - node.lineno + 1) > CLASS_LINES:  # type: ignore[operator]
+                found.append(f"{name}: class {node.name}, {size} lines")
+    return found
+
+
+def test_no_module_over_400_lines_and_no_class_over_300() -> None:
+    assert oversized() == []
+
+
+def test_an_oversized_module_or_class_is_found(tmp_path: Path) -> None:
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "big.py").write_text("class Big:\n" + "    x = 1\n" * 300 + "\n" * 100)
+    assert oversized(tmp_path / "pkg") == ["pkg/big.py: 401 lines", "pkg/big.py: class Big, 301 lines"]
+
+
+def layers(text: str) -> list[tuple[str, list[str]]]:
+    """The rows of a page's layer table: each layer's name and the paths (in ``kfacflow/``) it lists."""
+    rows = []
+    for line in text.split("## Layout", 1)[1].splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0] not in ("layer", "---"):
+            rows.append((cells[0], re.findall(r"`([\w/]+(?:\.py|/))`", cells[1])))
+    return rows
+
+
+def layer_of(module: str, rows: list[tuple[str, list[str]]]) -> int:
+    """The row of the table that lists ``module`` (its file, or the longest folder holding it), or -1."""
+    path = module.replace(".", "/").removeprefix("kfacflow").lstrip("/")
+    files = {f"{path}.py", f"{path}/__init__.py".lstrip("/")}  # a module, or a package's own file
+    best, depth = -1, -1
+    for i, (_, paths) in enumerate(rows):
+        for listed in paths:
+            hit = listed in files or (listed.endswith("/") and f"{path}/".startswith(listed))
+            if hit and len(listed) > depth:
+                best, depth = i, len(listed)
+    return best
+
+
+def test_the_architecture_pages_layers_are_the_import_graphs() -> None:
+    rows = layers((ROOT / "docs" / "architecture.md").read_text())
+    assert len(rows) > 5, "the layer table was not read"
+    graph = import_graph(runtime=True)
+    assert sorted(m for m in graph if layer_of(m, rows) < 0) == [], "modules the table does not place"
+    upward = [
+        f"{a} ({rows[layer_of(a, rows)][0]}) imports {b} ({rows[layer_of(b, rows)][0]})"
+        for a, deps in graph.items()
+        for b in deps
+        if layer_of(b, rows) > layer_of(a, rows)
+    ]
+    assert upward == []
+
+
+def test_a_module_is_placed_by_its_file_or_its_folder() -> None:
+    rows = [("low", ["__init__.py", "comm/base.py"]), ("high", ["comm/", "kfac/plan.py"])]
+    assert [layer_of(m, rows) for m in ("kfacflow", "kfacflow.comm.base", "kfacflow.comm.scatter")] == [0, 0, 1]
+    assert layer_of("kfacflow.kfac.plan", rows) == 1 and layer_of("kfacflow.kfac.routes", rows) == -1
