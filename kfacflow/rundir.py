@@ -64,7 +64,7 @@ def write_metadata(run_dir: Path, config_yaml: str, argv: list[str], resumed: bo
     write_atomic(run_dir / "command.txt", command.encode())
     versions = {
         "kfacflow": __version__,
-        "git_commit": _git_commit(),
+        "git_commit": git_commit(),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "torch": torch.__version__,
@@ -76,7 +76,7 @@ def write_metadata(run_dir: Path, config_yaml: str, argv: list[str], resumed: bo
     write_atomic(run_dir / "versions.json", json.dumps(versions, indent=2).encode())
 
 
-def _git_commit() -> str | None:
+def git_commit() -> str | None:
     """Return the commit of the kfacflow checkout that runs (``+dirty`` with local changes), or None if not one."""
     source = Path(__file__).resolve().parents[1]
     if not (source / ".git").exists():  # an installed copy: no checkout of ours around it

@@ -18,8 +18,12 @@ from typing import Any
 
 import yaml
 
-NAME = "where.yaml"
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from kfacflow.rundir import git_commit  # noqa: E402 - after the path
+
+NAME = "where.yaml"
 
 
 def _git(*args: str) -> str:
@@ -45,15 +49,13 @@ def here() -> dict[str, Any]:
     import torch
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    commit = _git("rev-parse", "HEAD")
-    dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
     return {
         "cpu": _cpu(),
         "cores": os.cpu_count(),
         "gpu": gpu,
         "torch": str(torch.__version__),
         "python": platform.python_version(),
-        "commit": commit + (" (with uncommitted changes)" if dirty else "") if commit else "unknown",
+        "commit": git_commit() or "unknown",  # as a run's versions.json says it: +dirty with local changes
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
 
