@@ -181,7 +181,7 @@ def _device_type(choice: str | torch.device) -> str:
 
 def _check_horovod(nproc: int) -> None:
     from kfacflow.comm.horovod import INSTALL_HINT
-    from kfacflow.launch import under_mpi_launcher
+    from kfacflow.comm.launchers import under_mpi_launcher
 
     if importlib.util.find_spec("horovod") is None:
         raise UserError(f"dist.backend=horovod: Horovod is not installed; {INSTALL_HINT}.")

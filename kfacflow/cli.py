@@ -106,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(to_yaml(cfg), end="")
             return 0
+        from kfacflow.comm.launchers import launched_world_size, under_launcher
         from kfacflow.data import build_datasets, check_data, check_shard
-        from kfacflow.launch import check_environment, launched_world_size, self_launch, under_launcher
+        from kfacflow.launch import check_environment, self_launch
         from kfacflow.resume import check_before_start
         from kfacflow.worker import worker
 

@@ -17,8 +17,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from kfacflow import UserError, build, rundir
+from kfacflow.comm.launchers import LOCAL_SIZE_VARS, RANK_VARS, from_env
 from kfacflow.config import RunConfig
-from kfacflow.launch import LOCAL_SIZE_VARS, RANK_VARS, command_line, continue_command, from_env, note_failure
+from kfacflow.launch import command_line, continue_command, note_failure
 from kfacflow.recipe import to_yaml
 from kfacflow.records import finished_line, target_line
 from kfacflow.trainer import Trainer

@@ -19,10 +19,10 @@ from torch import Tensor, nn
 
 from kfacflow import UserError, rundir
 from kfacflow.comm.base import Backend, Handle
+from kfacflow.comm.launchers import LOCAL_RANK_VARS, LOCAL_SIZE_VARS
 from kfacflow.comm.torch_dist import TorchBackend, init_options, local_rank
 from kfacflow.config import DistConfig
 from kfacflow.consistency import check_replicas
-from kfacflow.launch import LOCAL_RANK_VARS, LOCAL_SIZE_VARS
 from kfacflow.recipe import load
 from kfacflow.timing import StepTimer
 

@@ -25,8 +25,9 @@ import torch  # noqa: E402
 
 from kfacflow import UserError, build, registry  # noqa: E402
 from kfacflow.calibration import calibrate  # noqa: E402
+from kfacflow.comm.launchers import under_launcher  # noqa: E402
 from kfacflow.config import DistConfig  # noqa: E402
-from kfacflow.launch import self_launch, under_launcher  # noqa: E402
+from kfacflow.launch import self_launch  # noqa: E402
 from kfacflow.perf import Profile  # noqa: E402
 
 

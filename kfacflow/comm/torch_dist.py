@@ -18,8 +18,8 @@ from torch.nn.parallel import DistributedDataParallel
 from kfacflow import UserError
 from kfacflow.comm import scatter
 from kfacflow.comm.base import Backend, Done, Handle
+from kfacflow.comm.launchers import LOCAL_RANK_VARS, LOCAL_SIZE_VARS, from_env
 from kfacflow.config import DistConfig
-from kfacflow.launch import LOCAL_RANK_VARS, LOCAL_SIZE_VARS, from_env
 from kfacflow.registry import BACKENDS
 
 logger = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
 def local_rank(cfg: DistConfig, rank: int, world_size: int, joined: bool) -> int:
     """This worker's index among the workers of its machine: which GPU is its own.
 
-    Read from the launcher's variables (:data:`~kfacflow.launch.LOCAL_RANK_VARS`); with none set,
+    Read from the launcher's variables (:data:`~kfacflow.comm.launchers.LOCAL_RANK_VARS`); with none set,
     0 where that cannot be wrong (one worker, one per machine, or the CPU) and the current GPU
     where the process group is the user's own (who chose the device).
 

@@ -19,10 +19,10 @@ from torch import Tensor, nn
 
 from kfacflow.comm import scatter
 from kfacflow.comm.base import Backend
-from kfacflow.kfac.gradients import GradientAllreduce, ToOwners, sparse_parameters
+from kfacflow.kfac.gradients import GradientAllreduce, Gradients, ToOwners, sparse_parameters
 from kfacflow.kfac.plan import Choice
 from kfacflow.kfac.stages import EVERY_RANK
-from kfacflow.kfac.strategies import AFTER_BACKWARD, OWNERS_PRECONDITION, Gradients, GradSync
+from kfacflow.kfac.strategies import AFTER_BACKWARD, OWNERS_PRECONDITION, GradSync
 from kfacflow.registry import GRAD_SYNCS
 from kfacflow.replay import Replay, buckets
 

@@ -2,7 +2,7 @@
 
 :class:`GradientAllreduce` averages them after the backward pass, behind the factors; :class:`ToOwners`
 sends each as the backward pass computes it, an owned layer's to its owner alone. Both are the
-step's :class:`~kfacflow.kfac.strategies.Gradients`; the strategies of :mod:`~kfacflow.kfac.grad_sync`
+step's :class:`Gradients`; the strategies of :mod:`~kfacflow.kfac.grad_sync`
 make them. Every trained parameter has its place in every bucket on every rank, one this rank has
 no gradient of as zeros that say so (:func:`~kfacflow.comm.averaging.flagged`): ranks sum by
 position, and a layer that did not run on some rank (an expert no token went to) must neither
@@ -12,6 +12,7 @@ shift another's gradient nor be averaged as a zero where no rank ran it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -19,6 +20,30 @@ from torch import Tensor, nn
 from kfacflow.comm.averaging import average_sparse, flagged, write_back
 from kfacflow.comm.base import Backend, Handle
 from kfacflow.kfac.stages import EVERY_RANK
+
+
+class Gradients(Protocol):
+    """A step's own gradient traffic (made by :meth:`~kfacflow.kfac.strategies.GradSync.gradients`)."""
+
+    def route(self, owned: list[list[Tensor]]) -> None:
+        """Send the gradients of ``owned[r]`` (parameters) to rank ``r`` alone (before :meth:`launch`)."""
+        ...
+
+    def launch(self) -> None:
+        """Post the collectives (once), behind the step's factors."""
+        ...
+
+    def wait(self) -> None:
+        """Launch if need be, wait, and write the averages back into the gradients."""
+        ...
+
+    def leave(self, params: list[Tensor]) -> None:
+        """Leave these parameters' gradients out (before :meth:`launch`): the step rebuilds their averages itself."""
+        ...
+
+    def average(self, params: list[Tensor]) -> None:
+        """Average these parameters' gradients now, in one blocking collective (every rank calls it alike)."""
+        ...
 
 
 class Elsewhere:
@@ -174,7 +199,7 @@ class ToOwners:
     nothing reads: the owner sends the layer's update).
 
     The parameters whose averages the step rebuilds from rows are not sent at all: to the
-    preconditioner this is the step's :class:`~kfacflow.kfac.strategies.Gradients`, with nothing left
+    preconditioner this is the step's :class:`Gradients`, with nothing left
     to launch, which leaves out those it was built without and averages on demand those a rank's rows
     could not give (:meth:`average`).
 

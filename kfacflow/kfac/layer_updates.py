@@ -11,10 +11,11 @@ from kfacflow.kfac.layers import KFACLayer
 from kfacflow.kfac.stages import PreconditionStage
 
 if TYPE_CHECKING:
+    from kfacflow.kfac.gradients import Gradients
     from kfacflow.kfac.plan_life import PlanLife
     from kfacflow.kfac.rows import RowCapture
     from kfacflow.kfac.state import FactorState
-    from kfacflow.kfac.strategies import Engine, Gradients, Sent
+    from kfacflow.kfac.strategies import Engine, Sent
 
 
 class LayerUpdates:

@@ -35,6 +35,20 @@ from kfacflow.perf import Profile
 logger = logging.getLogger("kfacflow.kfac.preconditioner")
 
 
+def describe(layers: list[KFACLayer], stages: StageSet, slots: list[FactorSlot]) -> None:
+    """Log what K-FAC runs: layers, fusion, placement, inverse method, the largest factor, the shared inverses."""
+    logger.info(
+        "K-FAC on %d layers (%s, %s, %s); largest factor %d; %d of %d inverses on every rank",
+        len(layers),
+        type(stages.fusion).__name__,
+        getattr(stages.placement, "name", type(stages.placement).__name__),
+        type(stages.invert).__name__,
+        max(slot.dim for slot in slots),
+        sum(slot.owner == EVERY_RANK for slot in slots),
+        len(slots),
+    )
+
+
 def rows_pay(stages: StageSet) -> Callable[[int, int, int], bool]:
     """The precondition stage's ``rows_pay``; a stage written before rows existed never takes them."""
     return getattr(stages.precondition, "rows_pay", lambda rows, a_dim, g_dim: False)

@@ -20,18 +20,18 @@ from kfacflow.kfac.checkpoint import check_factors, check_layers, state_of
 from kfacflow.kfac.communicator import Communicator
 from kfacflow.kfac.delegated import Delegated
 from kfacflow.kfac.finite import FiniteFlags
+from kfacflow.kfac.gradients import Gradients
 from kfacflow.kfac.inverse import Inverse
 from kfacflow.kfac.layer_updates import LayerUpdates
 from kfacflow.kfac.layers import KFACLayer, find_layers
 from kfacflow.kfac.measured import LayerTimes
 from kfacflow.kfac.plan import StepPlan, make_plan
-from kfacflow.kfac.plan_life import PlanLife, rows_pay
-from kfacflow.kfac.routes import describe
+from kfacflow.kfac.plan_life import PlanLife, describe, rows_pay
 from kfacflow.kfac.rows import RowCapture
 from kfacflow.kfac.schedule import Schedule
 from kfacflow.kfac.stages import FactorSlot
 from kfacflow.kfac.state import FactorState, dtypes
-from kfacflow.kfac.strategies import Engine, Gradients, StageSet
+from kfacflow.kfac.strategies import Engine, StageSet
 from kfacflow.kfac.watch import Claims, ForwardHooks
 from kfacflow.perf import Profile
 from kfacflow.timing import StepTimer

@@ -17,7 +17,6 @@ from kfacflow.kfac.fusion import Routing
 from kfacflow.kfac.layers import KFACLayer
 from kfacflow.kfac.plan import StepPlan
 from kfacflow.kfac.stages import EVERY_RANK, FactorSlot
-from kfacflow.kfac.strategies import StageSet
 from kfacflow.perf import Profile
 
 logger = logging.getLogger(__name__)
@@ -81,20 +80,6 @@ def place(
         grad_owned=grad_owned,
         routing=routing,
         held=held,
-    )
-
-
-def describe(layers: list[KFACLayer], stages: StageSet, slots: list[FactorSlot]) -> None:
-    """Log what K-FAC runs: layers, fusion, placement, inverse method, the largest factor, the shared inverses."""
-    logger.info(
-        "K-FAC on %d layers (%s, %s, %s); largest factor %d; %d of %d inverses on every rank",
-        len(layers),
-        type(stages.fusion).__name__,
-        getattr(stages.placement, "name", type(stages.placement).__name__),
-        type(stages.invert).__name__,
-        max(slot.dim for slot in slots),
-        sum(slot.owner == EVERY_RANK for slot in slots),
-        len(slots),
     )
 
 

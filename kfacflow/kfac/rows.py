@@ -49,7 +49,7 @@ from kfacflow.timing import StepTimer
 
 if TYPE_CHECKING:
     from kfacflow.kfac.capture import Capture
-    from kfacflow.kfac.strategies import Gradients
+    from kfacflow.kfac.gradients import Gradients
 
 logger = logging.getLogger(__name__)
 

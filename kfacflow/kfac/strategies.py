@@ -32,6 +32,7 @@ from kfacflow.kfac.plan import Choice
 
 if TYPE_CHECKING:
     from kfacflow.comm.base import Backend, Handle
+    from kfacflow.kfac.gradients import Gradients
     from kfacflow.kfac.layers import KFACLayer
     from kfacflow.kfac.stages import (
         FactorSlot,
@@ -55,30 +56,6 @@ class Sent:
     flat: Tensor
     handle: Handle
     keep: bool
-
-
-class Gradients(Protocol):
-    """A step's own gradient traffic (:meth:`GradSync.gradients`, e.g. :class:`.grad_sync.GradientAllreduce`)."""
-
-    def route(self, owned: list[list[Tensor]]) -> None:
-        """Send the gradients of ``owned[r]`` (parameters) to rank ``r`` alone (before :meth:`launch`)."""
-        ...
-
-    def launch(self) -> None:
-        """Post the collectives (once), behind the step's factors."""
-        ...
-
-    def wait(self) -> None:
-        """Launch if need be, wait, and write the averages back into the gradients."""
-        ...
-
-    def leave(self, params: list[Tensor]) -> None:
-        """Leave these parameters' gradients out (before :meth:`launch`): the step rebuilds their averages itself."""
-        ...
-
-    def average(self, params: list[Tensor]) -> None:
-        """Average these parameters' gradients now, in one blocking collective (every rank calls it alike)."""
-        ...
 
 
 @dataclass(frozen=True)
