@@ -8,9 +8,10 @@ import os
 import sys
 from pathlib import Path
 
-from kfacflow import UserError, __version__, build, did_you_mean, registry
-from kfacflow.launch import PROGRAM_VAR
-from kfacflow.recipe import load, shipped_recipes, to_yaml
+from kfacflow import UserError, __version__, did_you_mean, registry
+from kfacflow.configuration.recipe import load, shipped_recipes, to_yaml
+from kfacflow.running import build
+from kfacflow.running.launch import PROGRAM_VAR
 from kfacflow.usercode import UserCodeError
 
 USAGE = """Train a recipe. Recipes merge left to right, then key.sub=value overrides apply. A recipe is
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         export = next((o.partition("=")[2] for o in args.overrides if o.startswith("export=")), None)
         if export is not None and not args.recipes and len(args.overrides) == 1:
-            from kfacflow.rundir import export_weights
+            from kfacflow.running.rundir import export_weights
 
             if not export.strip():  # Path("") is the working folder
                 raise UserError("export= is empty; give the run folder a run printed on its last line.")
@@ -107,10 +108,10 @@ def main(argv: list[str] | None = None) -> int:
             print(to_yaml(cfg), end="")
             return 0
         from kfacflow.comm.launchers import launched_world_size, under_launcher
-        from kfacflow.data import build_datasets, check_data, check_shard
-        from kfacflow.launch import check_environment, self_launch
-        from kfacflow.resume import check_before_start
-        from kfacflow.worker import worker
+        from kfacflow.data.sets import build_datasets, check_data, check_shard
+        from kfacflow.running.launch import check_environment, self_launch
+        from kfacflow.running.resume import check_before_start
+        from kfacflow.running.worker import worker
 
         check_environment()
         if cfg.resume:  # a resumed run writes into its own folder, and must fit its checkpoint

@@ -2,7 +2,7 @@
 
 The documentation's "Every recipe key" page, ``docs/reference/keys.md``, is :func:`markdown`'s output
 (``tools/docs_keys.py`` writes it; a test fails where the committed page differs), so the page cannot drift from
-:mod:`kfacflow.config`; a key without a docstring is a test failure too (:func:`undocumented`).
+:mod:`kfacflow.configuration.schema`; a key without a docstring is a test failure too (:func:`undocumented`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from dataclasses import MISSING, dataclass
 from typing import Any
 
 from kfacflow import registry
-from kfacflow.config import RunConfig
-from kfacflow.config_ranges import Range
+from kfacflow.configuration.ranges import Range
+from kfacflow.configuration.schema import RunConfig
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ def keys(cls: type = RunConfig, prefix: str = "") -> list[Key]:
 
 def stage_keys() -> list[Key]:
     """The settings of every stage that has its own, as ``kfac.options.<stage>.<setting>``."""
-    from kfacflow.kfac import options
+    from kfacflow.kfac.stages import options
 
     found: list[Key] = []
     for name, (_, entry) in sorted(options.having().items()):
@@ -124,7 +124,8 @@ def markdown() -> str:
     lines = [
         "# Every recipe key",
         "",
-        "Generated from the schema (`kfacflow/config.py` and the stages' own options) by `tools/docs_keys.py`: each",
+        "Generated from the schema (`kfacflow/configuration/schema.py` and the stages' own options) by",
+        "`tools/docs_keys.py`: each",
         "key's type, default, the range its values may take and its docstring. Set any of them in a recipe or as an",
         "override (`section.key=value`); see [Recipes and overrides](../recipes.md).",
         "",
@@ -141,6 +142,6 @@ def markdown() -> str:
 
 def build_plugins() -> None:
     """Register the plugins' stages, so that the reference lists every choice ``--list`` lists."""
-    from kfacflow import build
+    from kfacflow.running import build
 
     build.load_plugins()

@@ -20,16 +20,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from kfacflow import UserError, build, registry
-from kfacflow.calibration import calibrate
+from kfacflow import UserError, registry
 from kfacflow.comm.base import Backend
-from kfacflow.config import DistConfig
-from kfacflow.config_rules import kfac_section
+from kfacflow.configuration.rules import kfac_section
+from kfacflow.configuration.schema import DistConfig
 from kfacflow.kfac import in_use
 from kfacflow.kfac.gradients import GradientAllreduce
-from kfacflow.kfac.strategies import AFTER_BACKWARD
+from kfacflow.kfac.strategies.contracts import AFTER_BACKWARD
 from kfacflow.kfac.variants import Stages, resolve
 from kfacflow.perf import Profile
+from kfacflow.running import build
+from kfacflow.simulation.calibration import calibrate
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import numpy as np
 import yaml
 
 from kfacflow import UserError, did_you_mean
-from kfacflow.yaml_file import read_yaml
+from kfacflow.configuration.yaml_file import read_yaml
 
 START_UP_SHARE = 0.1
 """A message whose start-up is at most this share of its transfer is not fused further (``LinearModel.amortized``)."""
@@ -260,7 +260,7 @@ def _fit_cubic(d: np.ndarray, t: np.ndarray) -> InverseModel:
 
 
 def fit(samples: dict[str, list[list[float]]], meta: dict[str, Any]) -> Profile:
-    """Fit a :class:`Profile` from measured samples (:func:`kfacflow.calibration.measure`'s)."""
+    """Fit a :class:`Profile` from measured samples (:func:`kfacflow.simulation.calibration.measure`'s)."""
 
     def cols(key: str) -> tuple[list[float], list[float]]:
         return [x for x, _ in samples[key]], [t for _, t in samples[key]]

@@ -1,7 +1,7 @@
 """One small ``Registry`` class and every registry instance; it imports nothing else of kfacflow.
 
-The modules that register entries (the plugins) are imported by :mod:`kfacflow.build`; the
-types of the entries are the stage contracts of :mod:`kfacflow.kfac.stages`, imported for mypy only.
+The modules that register entries (the plugins) are imported by :mod:`kfacflow.running.build`; the
+types of the entries are the stage contracts of :mod:`kfacflow.kfac.stages.contracts`, imported for mypy only.
 """
 
 from __future__ import annotations
@@ -20,7 +20,14 @@ if TYPE_CHECKING:
     from torch.utils.data import Dataset
 
     from kfacflow.comm.base import Backend
-    from kfacflow.kfac.stages import FactorStage, FusionFactory, InverseMethod, Placement, PreconditionFactory, Variant
+    from kfacflow.kfac.stages.contracts import (
+        FactorStage,
+        FusionFactory,
+        InverseMethod,
+        Placement,
+        PreconditionFactory,
+        Variant,
+    )
 
 T = TypeVar("T")
 
@@ -35,7 +42,7 @@ class Entry(Generic[T]):
     needs_profile: bool = False
     """Whether it plans with a performance profile (``kfac.profile``, or a calibration at start)."""
     options: type | None = None
-    """Its own settings, a dataclass (``kfac.options.<name>``: :mod:`kfacflow.kfac.options`), if it has any."""
+    """Its own settings, a dataclass (``kfac.options.<name>``: :mod:`kfacflow.kfac.stages.options`), if it has any."""
 
 
 class Registry(Generic[T]):
@@ -160,7 +167,7 @@ class Registry(Generic[T]):
         return iter(self._entries.values())
 
 
-# Every registry instance; the plugin modules fill them when kfacflow.build imports them.
+# Every registry instance; the plugin modules fill them when kfacflow.running.build imports them.
 MODELS: Registry[Callable[..., nn.Module]] = Registry(
     "model", "model.name", imports="give a function (num_classes, in_channels) -> torch.nn.Module"
 )
@@ -180,7 +187,7 @@ FUSIONS: Registry[FusionFactory] = Registry("fusion", "kfac.fusion")
 PLACEMENTS: Registry[Placement] = Registry("placement", "kfac.placement")
 INVERSES: Registry[InverseMethod] = Registry("inverse", "kfac.inverse")
 PRECONDITIONERS: Registry[PreconditionFactory] = Registry("precondition", "kfac.precondition")
-# The strategies' protocols are kfacflow.kfac.strategies' (which uses these registries): each strategy
+# The strategies' protocols are kfacflow.kfac.strategies.contracts' (which uses these registries): each strategy
 # subclasses its kind's protocol, so mypy checks it there; here they are typed loosely.
 PIPELINES: Registry[Any] = Registry("pipeline", "kfac.pipeline")
 BROADCASTS: Registry[Any] = Registry("broadcast", "kfac.broadcast")

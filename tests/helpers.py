@@ -22,11 +22,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kfacflow.comm.torch_dist import TorchBackend
-from kfacflow.config import DistConfig
+from kfacflow.configuration.schema import DistConfig
 
 if TYPE_CHECKING:
     from kfacflow.kfac.preconditioner import Preconditioner
-    from kfacflow.trainer import Trainer
+    from kfacflow.running.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = str(ROOT / "recipes" / "quickstart.yaml")
@@ -189,8 +189,8 @@ def local_backend(monkeypatch: Any, device: Literal["cpu", "cuda"] = "cpu") -> T
 @contextmanager
 def recipe_trainer(out: str, overrides: list[str]) -> Iterator[Trainer]:
     """The quickstart's trainer with ``overrides``, in this (gloo worker) process; its engine closed after."""
-    from kfacflow.recipe import load
-    from kfacflow.trainer import Trainer
+    from kfacflow.configuration.recipe import load
+    from kfacflow.running.trainer import Trainer
 
     cfg = load([QUICK], [f"out_dir={out}", *overrides])
     backend = TorchBackend(cfg.dist)

@@ -16,8 +16,8 @@ STEPS = 4
 def _train(rank: int, world: int, out: str, runs: dict[str, list[str]]) -> dict[str, Any]:
     """Train each run of ``runs`` (name -> overrides) for a few float64 steps; return its end state."""
     from kfacflow.comm.torch_dist import TorchBackend
-    from kfacflow.recipe import load
-    from kfacflow.trainer import Trainer
+    from kfacflow.configuration.recipe import load
+    from kfacflow.running.trainer import Trainer
 
     results = {}
     backend = None

@@ -11,13 +11,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from kfacflow import UserError, build
+from kfacflow import UserError
 from kfacflow.comm.torch_dist import TorchBackend
-from kfacflow.config import KFACConfig
-from kfacflow.kfac import factors
-from kfacflow.kfac.factors import ExpandFactors
+from kfacflow.configuration.schema import KFACConfig
 from kfacflow.kfac.preconditioner import Preconditioner
+from kfacflow.kfac.stages import factors
+from kfacflow.kfac.stages.factors import ExpandFactors
 from kfacflow.registry import FACTORS
+from kfacflow.running import build
 
 DT = torch.float64
 

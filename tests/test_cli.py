@@ -19,11 +19,11 @@ from helpers import last_line, run_cli
 from omegaconf import OmegaConf
 
 from kfacflow import UserError
-from kfacflow.build import check_out_dir
 from kfacflow.cli import main
-from kfacflow.config import CORES, KFACConfig, RunConfig
+from kfacflow.configuration.recipe import load
+from kfacflow.configuration.schema import CORES, KFACConfig, RunConfig
 from kfacflow.kfac.variants import resolve
-from kfacflow.recipe import load
+from kfacflow.running.build import check_out_dir
 
 QUICK = "recipes/quickstart.yaml"
 # Put before every table row's arguments so that a check that fails to fire can never start a long or multi-process run.

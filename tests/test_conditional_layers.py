@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from helpers import run_in_gloo
 from torch import Tensor, nn
 
-from kfacflow.kfac.handover import merge_orders
+from kfacflow.kfac.hooks.handover import merge_orders
 
 STEPS = int(os.environ.get("MOE_STEPS", 6))
 TOKENS = 8  # per rank and step; one process takes both ranks' 16
@@ -178,7 +178,7 @@ def test_merged_order_keeps_each_ranks_order_and_is_the_same_everywhere() -> Non
 def _gradients() -> dict[str, Any]:
     """Parameters a, b, c, d: b has no gradient on rank 1, d on no rank; ToOwners sends b to rank 1 alone."""
     from kfacflow.comm.torch_dist import TorchBackend
-    from kfacflow.config import DistConfig
+    from kfacflow.configuration.schema import DistConfig
     from kfacflow.kfac.gradients import GradientAllreduce, ToOwners
 
     backend = TorchBackend(DistConfig())

@@ -21,14 +21,15 @@ from helpers import ROOT, run_cli
 from torch import Tensor, nn
 
 import kfacflow
-from kfacflow import UserError, build, library
+from kfacflow import UserError, library
 from kfacflow.cli import list_entries, main
-from kfacflow.config import KFACConfig
-from kfacflow.kfac import cupy_inverse
-from kfacflow.kfac.cupy_inverse import cupy_cholesky
-from kfacflow.kfac.inverse import DenseInverse, cholesky_inverse
+from kfacflow.configuration.schema import KFACConfig
+from kfacflow.kfac.stages import cupy_inverse
+from kfacflow.kfac.stages.cupy_inverse import cupy_cholesky
+from kfacflow.kfac.stages.inverse import DenseInverse, cholesky_inverse
 from kfacflow.kfac.variants import resolve
 from kfacflow.perf import Profile
+from kfacflow.running import build
 
 NEEDS = "kfac.inverse=cupy_cholesky needs a CUDA device and CuPy (pip install -r requirements-gpu.txt)"
 ON_CPU = f"error: {NEEDS}, but this run's device is cpu; on CPU use kfac.inverse=cholesky."
@@ -150,10 +151,10 @@ def test_importing_kfacflow_never_imports_cupy(tmp_path: Path) -> None:
     code = (
         "import sys; sys.path.insert(0, sys.argv[1])\n"
         "import kfacflow, kfacflow.cli, kfacflow.library\n"
-        "from kfacflow import build\n"
+        "from kfacflow.running import build\n"
         "build.load_plugins()\n"
         "print(kfacflow.cli.list_entries('all').count('cupy_cholesky'))\n"
-        "from kfacflow.config import KFACConfig\n"
+        "from kfacflow.configuration.schema import KFACConfig\n"
         "from kfacflow.kfac.variants import resolve\n"
         "try:\n"
         "    build.check_device(resolve(KFACConfig(inverse='cupy_cholesky')), 'cpu')\n"
@@ -170,11 +171,11 @@ def test_a_run_of_our_own_model_and_data_imports_no_torchvision_scipy_or_sklearn
     """Every process of every run imports what it builds: torchvision alone costs 1.5 s of CPU at start."""
     code = (
         "import sys\n"
-        "import kfacflow.cli, kfacflow.library, kfacflow.trainer\n"
-        "from kfacflow import build\n"
-        "from kfacflow.config import DataConfig\n"
-        "from kfacflow.data import build_datasets\n"
-        "from kfacflow.models import build_model\n"
+        "import kfacflow.cli, kfacflow.library, kfacflow.running.trainer\n"
+        "from kfacflow.running import build\n"
+        "from kfacflow.configuration.schema import DataConfig\n"
+        "from kfacflow.data.sets import build_datasets\n"
+        "from kfacflow.models.builtin import build_model\n"
         "build.load_plugins()\n"
         "build_model('digits_cnn', 10, 1); build_datasets(DataConfig(name='digits'))\n"
         "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torchvision', 'scipy', 'sklearn'})\n"

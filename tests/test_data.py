@@ -1,4 +1,4 @@
-"""Tests for kfacflow.data: digits, synthetic, fashion_mnist, cifar10 and imagefolder datasets."""
+"""Tests for kfacflow.data.sets: digits, synthetic, fashion_mnist, cifar10 and imagefolder datasets."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kfacflow import UserError
-from kfacflow.config import DataConfig
-from kfacflow.data import DataInfo, build_datasets, check_data
+from kfacflow.configuration.schema import DataConfig
+from kfacflow.data.sets import DataInfo, build_datasets, check_data
 from kfacflow.registry import DATASETS
 
 
@@ -57,7 +57,7 @@ def test_digits_split_and_stats() -> None:
 def test_digits_read_from_the_file_are_what_scikit_learn_loads() -> None:
     from sklearn.datasets import load_digits
 
-    from kfacflow.datasets import digits_arrays
+    from kfacflow.data.builtin import digits_arrays
 
     pixels, labels = digits_arrays()
     bunch = load_digits()
@@ -221,7 +221,7 @@ def test_user_error_from_a_loader_worker_keeps_its_line() -> None:
 def test_every_label_of_a_tensor_dataset_is_checked() -> None:
     from torch.utils.data import TensorDataset
 
-    from kfacflow.data_checks import check_sets
+    from kfacflow.data.checks import check_sets
 
     x, y = torch.zeros(64, 1, 2, 2), torch.zeros(64, dtype=torch.int64)
     info = DataInfo(num_classes=3, channels=1, image_size=2)
@@ -235,7 +235,7 @@ def test_every_label_of_a_tensor_dataset_is_checked() -> None:
 
 def _write_fashion(folder: Path, n_train: int = 12, n_val: int = 5, gz: bool = True) -> dict[str, np.ndarray]:
     """Small Fashion-MNIST IDX files of known values (images: pixel (i, j) of image k is (k + i + j) % 256)."""
-    from kfacflow import idx
+    from kfacflow.data import idx
 
     folder.mkdir(parents=True, exist_ok=True)
     k, i, j = np.ogrid[: n_train + n_val, :28, :28]
@@ -249,7 +249,7 @@ def _write_fashion(folder: Path, n_train: int = 12, n_val: int = 5, gz: bool = T
 
 
 def test_idx_round_trip_and_header(tmp_path: Path) -> None:
-    from kfacflow import idx
+    from kfacflow.data import idx
 
     values = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
     idx.write(tmp_path / "a", values)

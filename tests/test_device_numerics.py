@@ -13,11 +13,11 @@ from helpers import local_backend
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kfacflow import build
 from kfacflow.comm.torch_dist import TorchBackend
-from kfacflow.config import KFACConfig
-from kfacflow.kfac.inverse import cholesky_factor, cholesky_inverse, invert_all
+from kfacflow.configuration.schema import KFACConfig
 from kfacflow.kfac.preconditioner import Preconditioner
+from kfacflow.kfac.stages.inverse import cholesky_factor, cholesky_inverse, invert_all
+from kfacflow.running import build
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

@@ -9,9 +9,10 @@ import pytest
 import torch
 from helpers import last_line, run_cli
 
-from kfacflow import UserError, build
+from kfacflow import UserError
 from kfacflow.comm.torch_dist import engine_for
-from kfacflow.recipe import load
+from kfacflow.configuration.recipe import load
+from kfacflow.running import build
 
 QUICK = "recipes/quickstart.yaml"
 

@@ -20,12 +20,12 @@ import torch.nn.functional as F
 from helpers import last_line, run_cli, run_cli_batch, run_in_gloo
 from torch import nn
 
-from kfacflow import build
 from kfacflow.comm.torch_dist import TorchBackend
-from kfacflow.config import DistConfig, KFACConfig
-from kfacflow.kfac.inverse import Inverse
+from kfacflow.configuration.schema import DistConfig, KFACConfig
+from kfacflow.kfac.stages.inverse import Inverse
 from kfacflow.kfac.variants import PRESETS
-from kfacflow.models import build_model
+from kfacflow.models.builtin import build_model
+from kfacflow.running import build
 
 RTOL, ATOL = 1e-8, 1e-12
 STEPS = 5

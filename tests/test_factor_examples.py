@@ -17,9 +17,10 @@ from helpers import local_backend
 from test_stage_equivalence import PROFILE
 from torch import Tensor, nn
 
-from kfacflow import UserError, build
-from kfacflow.config import KFACConfig
-from kfacflow.recipe import load
+from kfacflow import UserError
+from kfacflow.configuration.recipe import load
+from kfacflow.configuration.schema import KFACConfig
+from kfacflow.running import build
 
 N, KEEP = 8, 3
 

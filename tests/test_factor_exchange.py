@@ -18,13 +18,13 @@ import torch
 from helpers import kfac_sgd_step, run_in_gloo
 from test_stage_equivalence import batches, make_model
 
-from kfacflow import build
 from kfacflow.comm.torch_dist import TorchBackend
-from kfacflow.config import DistConfig, KFACConfig
+from kfacflow.configuration.schema import DistConfig, KFACConfig
 from kfacflow.kfac.exchange import LocalSums, Rows
-from kfacflow.kfac.factors import gram_packed
 from kfacflow.kfac.finite import blend
-from kfacflow.kfac.stages import Absent
+from kfacflow.kfac.stages.contracts import Absent
+from kfacflow.kfac.stages.factors import gram_packed
+from kfacflow.running import build
 
 XI = 0.75
 

@@ -1,4 +1,4 @@
-"""Tests for kfacflow.kfac.factors and kfacflow.kfac.layers against hand computations with explicit loops."""
+"""Tests for kfacflow.kfac.stages.factors and kfacflow.kfac.layers against hand computations with explicit loops."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kfacflow import UserError
-from kfacflow.kfac import factors
-from kfacflow.kfac.factors import ExpandFactors, ReduceFactors, gram_blocks, gram_packed
 from kfacflow.kfac.layers import KFACLayer, find_layers
 from kfacflow.kfac.packing import pack, pack_lower, packed_size, unpack, unpack_lower
+from kfacflow.kfac.stages import factors
+from kfacflow.kfac.stages.factors import ExpandFactors, ReduceFactors, gram_blocks, gram_packed
 
 DT = torch.float64
 SHIPPED_POSITIONS_INNER_FROM = factors.POSITIONS_INNER_FROM

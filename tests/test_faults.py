@@ -17,18 +17,19 @@ import pytest
 import torch
 from helpers import ROOT, last_line, recipe_trainer, run_cli, run_in_gloo
 
-from kfacflow import TrainingError, build
+from kfacflow import TrainingError
 from kfacflow.comm.torch_dist import TorchBackend
-from kfacflow.config import DistConfig, KFACConfig
+from kfacflow.configuration.recipe import load
+from kfacflow.configuration.schema import DistConfig, KFACConfig
 from kfacflow.kfac.packing import pack
-from kfacflow.recipe import load
+from kfacflow.running import build
 
 QUICK = str(ROOT / "recipes" / "quickstart.yaml")
 
 
 def _train_with_nan(rank: int, world: int, out: str, bad_steps: list[int], max_nonfinite: int) -> dict[str, Any]:
     """Train 6 steps; on rank 1 the output is NaN at the given steps."""
-    from kfacflow.trainer import Trainer
+    from kfacflow.running.trainer import Trainer
 
     cfg = load(
         [QUICK],
@@ -91,7 +92,7 @@ def test_too_many_nonfinite_steps_in_a_row_stop_with_a_clear_message(tmp_path: P
 
 def _nan_input_with_batchnorm(rank: int, world: int, out: str) -> dict[str, Any]:
     """ResNet-20 (BatchNorm) whose input is NaN at step 1: the step is skipped, its statistics put back."""
-    from kfacflow.trainer import Trainer
+    from kfacflow.running.trainer import Trainer
 
     cfg = load([QUICK], [f"out_dir={out}", "model.name=resnet20", "train.steps=3", "train.progress=false"])
     backend = TorchBackend(cfg.dist)
@@ -311,7 +312,7 @@ def test_continue_command_names_the_launcher(tmp_path: Path) -> None:
     launcher.write_text(
         f"#!{sys.executable}\n"
         "import subprocess, sys\n"
-        "code = 'from pathlib import Path; from kfacflow.launch import continue_command; "
+        "code = 'from pathlib import Path; from kfacflow.running.launch import continue_command; "
         'print(continue_command(Path("runs/x"), []))\'\n'
         "sys.exit(subprocess.run([sys.executable, '-c', code]).returncode)\n"
     )

@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kfacflow import build
 from kfacflow.comm.torch_dist import TorchBackend
-from kfacflow.config import KFACConfig
+from kfacflow.configuration.schema import KFACConfig
 from kfacflow.kfac.preconditioner import Preconditioner
+from kfacflow.running import build
 
 DT = torch.float64
 STEPS = 4

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from kfacflow.comm.torch_dist import TorchBackend
-from kfacflow.config import DistConfig
+from kfacflow.configuration.schema import DistConfig
 from kfacflow.kfac.communicator import Communicator
-from kfacflow.kfac.fusion import Routing, ThresholdOptions
-from kfacflow.kfac.fusion_plan import plan_groups
-from kfacflow.kfac.stages import EVERY_RANK, FusionOptions
+from kfacflow.kfac.stages.contracts import EVERY_RANK, FusionOptions
+from kfacflow.kfac.stages.fusion import Routing, ThresholdOptions
+from kfacflow.kfac.stages.fusion_plan import plan_groups
 from kfacflow.perf import LinearModel
 from kfacflow.registry import FUSIONS
 

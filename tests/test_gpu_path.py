@@ -17,13 +17,14 @@ import torch.distributed as dist
 from helpers import ROOT, last_line, recipe_trainer, run_cli, run_in_gloo
 from torch import Tensor, nn
 
-from kfacflow import UserError, rundir
+from kfacflow import UserError
 from kfacflow.comm.base import Backend, Handle
 from kfacflow.comm.launchers import LOCAL_RANK_VARS, LOCAL_SIZE_VARS
 from kfacflow.comm.torch_dist import TorchBackend, init_options, local_rank
-from kfacflow.config import DistConfig
-from kfacflow.consistency import check_replicas
-from kfacflow.recipe import load
+from kfacflow.configuration.recipe import load
+from kfacflow.configuration.schema import DistConfig
+from kfacflow.running import rundir
+from kfacflow.running.consistency import check_replicas
 from kfacflow.timing import StepTimer
 
 QUICK = str(ROOT / "recipes" / "quickstart.yaml")
@@ -86,7 +87,7 @@ def test_nccl_is_bound_to_the_workers_gpu() -> None:
 
 
 def _slow_write(rank: int, world: int, out: str, delay: float) -> list[str]:
-    from kfacflow.trainer import Trainer
+    from kfacflow.running.trainer import Trainer
 
     overrides = [f"out_dir={out}", "train.steps=1", "train.progress=false", "dist.device=cpu", "dist.timeout_s=2"]
     cfg = load([QUICK], overrides)

@@ -31,10 +31,10 @@ def _train(rank: int, world: int, out: str, runs: dict[str, list[str]]) -> dict[
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     from kfacflow.comm.torch_dist import TorchBackend
+    from kfacflow.configuration.recipe import load
     from kfacflow.kfac.gradients import GradientAllreduce
     from kfacflow.kfac.preconditioner import Preconditioner
-    from kfacflow.recipe import load
-    from kfacflow.trainer import Trainer
+    from kfacflow.running.trainer import Trainer
 
     events: list[str] = []
     hook, launch, step = default_hooks.allreduce_hook, GradientAllreduce.launch, Preconditioner.step
@@ -107,10 +107,10 @@ inverse: {kind: cubic, alpha: 1.0e-4, beta: 1.0e-10}
 def _route(rank: int, world: int, out: str, runs: dict[str, list[str]]) -> dict[str, Any]:
     """Train each run with a profile (so the plan may route gradients); note, per step, what went to owners."""
     from kfacflow.comm.torch_dist import TorchBackend
+    from kfacflow.configuration.recipe import load
     from kfacflow.kfac.gradients import EVERY_RANK, GradientAllreduce, ToOwners
     from kfacflow.kfac.preconditioner import Preconditioner
-    from kfacflow.recipe import load
-    from kfacflow.trainer import Trainer
+    from kfacflow.running.trainer import Trainer
 
     events: list[str] = []
     sent: list[int] = []
@@ -170,7 +170,7 @@ def test_gloo_sends_owned_gradients_to_their_owners_at_two_ranks_during_backward
 
     ``owner`` then reduces the owned layers' gradients to their owners after every backward pass;
     ``between`` does so on the steps that exchange factors and, on the others, sends them during the
-    backward pass (:class:`~kfacflow.kfac.grad_sync.InBackward`). Both train as ``deferred`` (every
+    backward pass (:class:`~kfacflow.kfac.strategies.grad_sync.InBackward`). Both train as ``deferred`` (every
     gradient all-reduced after the backward pass) to round-off, every rank with the same bits.
     """
     f, i = 2, 4

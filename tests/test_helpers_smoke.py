@@ -5,7 +5,7 @@ import torch
 from helpers import run_in_gloo
 
 from kfacflow.comm.torch_dist import TorchBackend
-from kfacflow.config import DistConfig
+from kfacflow.configuration.schema import DistConfig
 
 
 def _sum_ranks(rank: int, world: int) -> float:

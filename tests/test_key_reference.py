@@ -10,8 +10,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from kfacflow import key_reference
-from kfacflow.config import RunConfig
-from kfacflow.config_ranges import at_least
+from kfacflow.configuration.ranges import at_least
+from kfacflow.configuration.schema import RunConfig
 
 
 def _leaves(node: object, prefix: str = "") -> list[str]:

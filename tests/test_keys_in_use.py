@@ -13,10 +13,11 @@ import pytest
 from test_stage_equivalence import PROFILE, make_model
 
 import kfacflow
-from kfacflow import UserError, build
-from kfacflow.kfac.fusion import Threshold
+from kfacflow import UserError
+from kfacflow.configuration.recipe import load
+from kfacflow.kfac.stages.fusion import Threshold
 from kfacflow.kfac.variants import resolve
-from kfacflow.recipe import load
+from kfacflow.running import build
 
 QUICK = "recipes/quickstart.yaml"
 

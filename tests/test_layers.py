@@ -17,8 +17,8 @@ from timm.layers.conv2d_same import Conv2dSameExport
 from torch import Tensor, nn
 
 from kfacflow import UserError
-from kfacflow.kfac.factors import ExpandFactors, ReduceFactors
 from kfacflow.kfac.layers import OWN_FORWARD, KFACLayer, find_layers
+from kfacflow.kfac.stages.factors import ExpandFactors, ReduceFactors
 
 LOGGER = "kfacflow.kfac.layers"
 

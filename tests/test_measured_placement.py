@@ -15,9 +15,9 @@ import torch
 from helpers import kfac_sgd_step, run_in_gloo
 from test_stage_equivalence import PROFILE, batches, make_model
 
-from kfacflow import build
 from kfacflow.comm.torch_dist import TorchBackend
-from kfacflow.config import DistConfig, KFACConfig
+from kfacflow.configuration.schema import DistConfig, KFACConfig
+from kfacflow.running import build
 
 STEPS, EVERY = 9, 3
 OWNERS = {"placement": "layer", "inverse": "cholesky_factor", "broadcast": "update", "factor_sync": "owner"}

@@ -14,11 +14,12 @@ from test_stage_equivalence import PROFILE
 from torch import Tensor, nn
 
 import kfacflow
-from kfacflow import UserError, build
+from kfacflow import UserError
 from kfacflow.comm.torch_dist import TorchBackend
-from kfacflow.config import KFACConfig
+from kfacflow.configuration.schema import KFACConfig
 from kfacflow.kfac.packing import unpack
 from kfacflow.kfac.preconditioner import Preconditioner
+from kfacflow.running import build
 
 DT = torch.float64
 

@@ -1,4 +1,4 @@
-"""Tests for kfacflow.models: built-ins, torchvision and timm entries, and name checks."""
+"""Tests for kfacflow.models.builtin: built-ins, torchvision and timm entries, and name checks."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ import torch
 from torch import nn
 
 from kfacflow import UserError
-from kfacflow.model_checks import check_input
-from kfacflow.models import build_model, check_kwargs, check_name
+from kfacflow.models.builtin import build_model, check_kwargs, check_name
+from kfacflow.models.checks import check_input
 from kfacflow.registry import MODELS
 
 
 def test_import_does_not_load_timm() -> None:
     import subprocess
 
-    code = "import sys, kfacflow.models; assert 'timm' not in sys.modules"
+    code = "import sys, kfacflow.models.builtin; assert 'timm' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

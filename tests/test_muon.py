@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from helpers import run_in_gloo
 from torch import nn
 
-from kfacflow import muon
-from kfacflow.config import MuonConfig, OptimConfig, ScheduleConfig
-from kfacflow.optim import build_optimizer, build_scheduler
+from kfacflow.configuration.schema import MuonConfig, OptimConfig, ScheduleConfig
+from kfacflow.optim import muon
+from kfacflow.optim.optimizers import build_optimizer, build_scheduler
 
 STEPS = 4
 

@@ -22,16 +22,16 @@ from helpers import ROOT, run_in_gloo
 
 from kfacflow import UserError
 from kfacflow.comm.base import Backend
-from kfacflow.config import KFACConfig, at_least
-from kfacflow.kfac import options
-from kfacflow.kfac.fusion import Policy, Ready, plan_launches
-from kfacflow.kfac.grad_sync import Deferred
+from kfacflow.configuration.schema import KFACConfig, at_least
 from kfacflow.kfac.gradients import GradientAllreduce
-from kfacflow.kfac.placement import round_robin, schedule
-from kfacflow.kfac.stages import FusionOptions, Waiting
+from kfacflow.kfac.stages import options
+from kfacflow.kfac.stages.contracts import FusionOptions, Waiting
+from kfacflow.kfac.stages.fusion import Policy, Ready, plan_launches
+from kfacflow.kfac.stages.placement import round_robin, schedule
+from kfacflow.kfac.strategies.grad_sync import Deferred
+from kfacflow.kfac.strategies.replay import Replay
 from kfacflow.perf import Profile
 from kfacflow.registry import FUSIONS, GRAD_SYNCS, PLACEMENTS
-from kfacflow.replay import Replay
 
 sys.path.insert(0, str(ROOT / "tools"))
 import simulate  # noqa: E402
@@ -134,8 +134,8 @@ if "chunks" not in FUSIONS:
 
 def _train(rank: int, world: int, out: str) -> dict[str, Any]:
     from kfacflow.comm.torch_dist import TorchBackend
-    from kfacflow.recipe import load
-    from kfacflow.trainer import Trainer
+    from kfacflow.configuration.recipe import load
+    from kfacflow.running.trainer import Trainer
 
     results: dict[str, Any] = {}
     backend = None
@@ -204,8 +204,8 @@ NEW = {
 
 def _train_new(rank: int, world: int, out: str) -> dict[str, Any]:
     from kfacflow.comm.torch_dist import TorchBackend
-    from kfacflow.recipe import load
-    from kfacflow.trainer import Trainer
+    from kfacflow.configuration.recipe import load
+    from kfacflow.running.trainer import Trainer
 
     results: dict[str, Any] = {}
     backend = None

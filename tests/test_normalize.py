@@ -13,7 +13,7 @@ from test_stage_equivalence import PROFILE, batches, make_model
 
 import kfacflow
 from kfacflow import UserError
-from kfacflow.kfac.precondition import KFACPrecondition, rms_normalized
+from kfacflow.kfac.stages.precondition import KFACPrecondition, rms_normalized
 
 LR = 0.05
 

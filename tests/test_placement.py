@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from kfacflow import UserError
-from kfacflow.kfac.placement import (
+from kfacflow.kfac.stages.placement import (
     EVERY_RANK,
     by_layer,
     gathers,
@@ -19,7 +19,7 @@ from kfacflow.kfac.placement import (
     round_robin,
     update_buckets,
 )
-from kfacflow.kfac.update_plan import LayerWork, layer_work
+from kfacflow.kfac.stages.update_plan import LayerWork, layer_work
 from kfacflow.perf import InverseModel, LinearModel, Profile
 
 
@@ -79,7 +79,7 @@ def test_lbp_without_models_is_a_user_error() -> None:
 
 
 def test_schedule_sends_communicated_inverses_first_by_estimated_finish() -> None:
-    from kfacflow.kfac.placement import schedule
+    from kfacflow.kfac.stages.placement import schedule
 
     # Fig. 5c placement: T1 (10) on r0, T3 (8) and T4 (9) on r1, T2 (7) everywhere.
     owners = [0, EVERY_RANK, 1, 1]
@@ -90,7 +90,7 @@ def test_schedule_sends_communicated_inverses_first_by_estimated_finish() -> Non
 
 
 def test_inverse_phase_queues_broadcasts_on_one_link() -> None:
-    from kfacflow.kfac.placement import inverse_phase, schedule
+    from kfacflow.kfac.stages.placement import inverse_phase, schedule
 
     # Fig. 5c placement, broadcasts of 0.4 s on one link, in the schedule's order [T4, T1, T3, T2].
     owners = [0, EVERY_RANK, 1, 1]
@@ -103,7 +103,7 @@ def test_inverse_phase_queues_broadcasts_on_one_link() -> None:
 
 
 def test_link_aware_placement_keeps_a_factor_local_when_its_broadcast_would_queue() -> None:
-    from kfacflow.kfac.placement import link
+    from kfacflow.kfac.stages.placement import link
 
     # Sending T3 (8) ends the phase at 1.929 (the link is busy); inverting it on both ranks ends
     # it at 1.855 (r0: 1.0 + 0.512 + 0.343); everything else only gets worse (see the test above).
@@ -190,8 +190,8 @@ def test_layers_are_balanced_between_inversions_and_at_them_not_on_a_steps_avera
 
 
 def test_the_plan_places_layers_by_a_steps_work_only_between_inversions() -> None:
-    from kfacflow.kfac.inverse import DenseInverse
-    from kfacflow.kfac.plan import Choice, EngineCaps, make_plan
+    from kfacflow.kfac.planning.plan import Choice, EngineCaps, make_plan
+    from kfacflow.kfac.stages.inverse import DenseInverse
     from kfacflow.registry import PLACEMENTS
 
     layers = [(10, 7, 70), (8, 9, 72), (2, 2, 4), (3, 3, 9)]
@@ -249,8 +249,8 @@ def test_update_buckets_fuse_only_where_one_allreduce_beats_the_broadcasts() -> 
 
 
 def test_measured_preconditioning_replaces_the_estimates_and_moves_layers() -> None:
-    from kfacflow.kfac.inverse import DenseInverse
-    from kfacflow.kfac.plan import Choice, EngineCaps, make_plan
+    from kfacflow.kfac.planning.plan import Choice, EngineCaps, make_plan
+    from kfacflow.kfac.stages.inverse import DenseInverse
     from kfacflow.registry import PLACEMENTS
 
     prof = profile(0.0)
@@ -273,7 +273,7 @@ def test_measured_preconditioning_replaces_the_estimates_and_moves_layers() -> N
 
 
 def test_layers_move_to_a_measured_placement_only_where_it_saves_a_share_of_the_period() -> None:
-    from kfacflow.kfac.measured import GAIN, worth_moving
+    from kfacflow.kfac.planning.measured import GAIN, worth_moving
 
     work = LayerWork((0.2, 0.9, 0.5, 0.5), (8.0, 1.0, 0.0, 0.0), 10)
     # As above: 21.3 s a period placed on a step's average, 20.0 s once balanced, 6 % less: moved.

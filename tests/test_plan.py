@@ -10,15 +10,15 @@ import torch.nn.functional as F
 from helpers import run_in_gloo
 from test_stage_equivalence import PROFILE, batches, make_model
 
-from kfacflow import build
 from kfacflow.comm.torch_dist import TorchBackend
-from kfacflow.config import DistConfig, KFACConfig
+from kfacflow.configuration.schema import DistConfig, KFACConfig
 from kfacflow.kfac import preconditioner as orchestration
-from kfacflow.kfac.plan import EngineCaps
-from kfacflow.kfac.stages import EVERY_RANK
+from kfacflow.kfac.planning.plan import EngineCaps
+from kfacflow.kfac.stages.contracts import EVERY_RANK
 from kfacflow.kfac.variants import PRESETS, resolve
 from kfacflow.perf import LinearModel, Profile
-from kfacflow.simulation import scaled, step_plan
+from kfacflow.running import build
+from kfacflow.simulation.events import scaled, step_plan
 
 NO_ROUTES = EngineCaps(reduces=False, scatters=False, gathers=False)
 """An engine without reductions to owners (Horovod's; gloo's with CUDA tensors)."""

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from helpers import last_line, run_cli
 from torch import nn
 
-from kfacflow import build
 from kfacflow.comm.torch_dist import TorchBackend
-from kfacflow.config import DistConfig, KFACConfig
+from kfacflow.configuration.schema import DistConfig, KFACConfig
+from kfacflow.running import build
 from kfacflow.timing import CATEGORIES, StepTimer
 
 STEPS = 4

@@ -1,4 +1,4 @@
-"""Tests for kfacflow.kfac.inverse, kfacflow.kfac.precondition and Preconditioner (one process)."""
+"""Tests for kfacflow.kfac.stages.inverse, kfacflow.kfac.stages.precondition and Preconditioner (one process)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kfacflow import build
 from kfacflow.comm.torch_dist import TorchBackend
-from kfacflow.config import KFACConfig
-from kfacflow.kfac.inverse import Inverse, cholesky_inverse, eigen_inverse
+from kfacflow.configuration.schema import KFACConfig
 from kfacflow.kfac.packing import pack
-from kfacflow.kfac.precondition import KFACPrecondition, kl_clip_scale, precondition
 from kfacflow.kfac.preconditioner import Preconditioner
+from kfacflow.kfac.stages.inverse import Inverse, cholesky_inverse, eigen_inverse
+from kfacflow.kfac.stages.precondition import KFACPrecondition, kl_clip_scale, precondition
 from kfacflow.registry import INVERSES
+from kfacflow.running import build
 
 DT = torch.float64
 KINDS = ["cholesky", "eigen"]
@@ -358,7 +358,7 @@ def test_state_dict_roundtrip(backend: TorchBackend, inverse: str) -> None:
 
 
 def test_cholesky_factor_applies_the_damped_inverse_by_hand() -> None:
-    from kfacflow.kfac.inverse import CholeskyFactorInverse, cholesky_factor
+    from kfacflow.kfac.stages.inverse import CholeskyFactorInverse, cholesky_factor
 
     d, damping = 5, 0.01
     f = spd(d, 7)

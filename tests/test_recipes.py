@@ -11,7 +11,7 @@ import yaml
 from helpers import ROOT, last_line, run_cli_batch
 
 from kfacflow.kfac.layers import find_layers
-from kfacflow.models import build_model
+from kfacflow.models.builtin import build_model
 
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 # Datasets read from disk, or large: replaced by a tiny synthetic set of the same image shape family.

@@ -51,8 +51,8 @@ def _state(model: nn.Module) -> list[Tensor]:
 def _recipe_runs(rank: int, world: int, out: str) -> dict[str, Any]:
     """Train d and flow a few steps; the model after every step, and the reported validation loss."""
     from kfacflow.comm.torch_dist import TorchBackend
-    from kfacflow.recipe import load
-    from kfacflow.trainer import Trainer
+    from kfacflow.configuration.recipe import load
+    from kfacflow.running.trainer import Trainer
 
     profile = Path(out) / "profile.yaml"
     if rank == 0:

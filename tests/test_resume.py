@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import last_line, run_cli
 
-from kfacflow.recipe import load, to_yaml
+from kfacflow.configuration.recipe import load, to_yaml
 
 RTOL, ATOL = 1e-10, 1e-13
 STEPS = 7

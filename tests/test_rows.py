@@ -11,13 +11,13 @@ import torch.nn.functional as F
 from helpers import kfac_sgd_step, local_backend, run_in_gloo
 from torch import nn
 
-from kfacflow import build
 from kfacflow.comm.torch_dist import TorchBackend
-from kfacflow.config import DistConfig, KFACConfig
-from kfacflow.kfac.inverse import Cholesky, CholeskyFactor
-from kfacflow.kfac.precondition import RowsPrecondition, full_flops, precondition, row_flops
-from kfacflow.kfac.stages import LayerRows
+from kfacflow.configuration.schema import DistConfig, KFACConfig
+from kfacflow.kfac.stages.contracts import LayerRows
+from kfacflow.kfac.stages.inverse import Cholesky, CholeskyFactor
+from kfacflow.kfac.stages.precondition import RowsPrecondition, full_flops, precondition, row_flops
 from kfacflow.registry import GRAD_SYNCS
+from kfacflow.running import build
 
 BATCH = 4
 STEPS = 6

@@ -16,8 +16,8 @@ from helpers import QUICK, local_backend, run_cli
 
 from kfacflow import TrainingError
 from kfacflow.comm.torch_dist import TorchBackend
-from kfacflow.recipe import load, to_yaml
-from kfacflow.records import target_line
+from kfacflow.configuration.recipe import load, to_yaml
+from kfacflow.running.records import target_line
 
 # One process, float64: two runs of the same steps are equal. 44 steps an epoch (1437 digits in batches of 32).
 TINY = [
@@ -35,7 +35,7 @@ def _fit(
 ) -> dict[str, Any]:
     """Train the tiny quickstart in this process: NaN gradients (a finite loss) at the ``poison`` steps, SIGTERM at
     ``stop_at``."""
-    from kfacflow.trainer import Trainer
+    from kfacflow.running.trainer import Trainer
 
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = load([QUICK], [*TINY, *overrides])

@@ -148,8 +148,8 @@ def _rows(path: Path) -> list[tuple[int, str]]:
 @pytest.mark.parametrize("kind", ["csv", "jsonl"])
 @pytest.mark.parametrize("evaluated", [True, False])
 def test_a_resume_drops_the_rows_logged_after_its_checkpoint(tmp_path: Path, kind: str, evaluated: bool) -> None:
-    from kfacflow.recipe import load
-    from kfacflow.runlog import RunLog
+    from kfacflow.configuration.recipe import load
+    from kfacflow.running.runlog import RunLog
 
     _earlier_life(tmp_path)
     cfg = load(["recipes/quickstart.yaml"], [f"train.metrics={kind}", "train.progress=false"])
@@ -172,8 +172,8 @@ def test_a_resume_drops_the_rows_logged_after_its_checkpoint(tmp_path: Path, kin
 def test_a_resume_drops_a_training_row_its_checkpoint_goes_on_from(tmp_path: Path) -> None:
     # The process stopped after step 4 between two training rows: it wrote one for its last steps, which the
     # checkpoint still counts towards the next row (logged=False). Its timing rows stay.
-    from kfacflow.recipe import load
-    from kfacflow.runlog import RunLog
+    from kfacflow.configuration.recipe import load
+    from kfacflow.running.runlog import RunLog
 
     _earlier_life(tmp_path)
     log = RunLog(load(["recipes/quickstart.yaml"], ["train.metrics=jsonl", "train.progress=false"]), tmp_path, rank=0)
@@ -188,8 +188,8 @@ def test_a_resume_keeps_in_tensorboard_what_its_checkpoint_holds_at_its_step(tmp
     # checkpoint's own step are written again.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from kfacflow.recipe import load
-    from kfacflow.runlog import RunLog
+    from kfacflow.configuration.recipe import load
+    from kfacflow.running.runlog import RunLog
 
     cfg = load(["recipes/quickstart.yaml"], ["train.progress=false"])
     log = RunLog(cfg, tmp_path, rank=0)

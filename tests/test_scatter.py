@@ -11,9 +11,9 @@ from helpers import run_in_gloo
 
 from kfacflow.comm import scatter
 from kfacflow.comm.torch_dist import TorchBackend
-from kfacflow.config import DistConfig
-from kfacflow.kfac.fusion import SCATTER, Routing
-from kfacflow.kfac.stages import EVERY_RANK
+from kfacflow.configuration.schema import DistConfig
+from kfacflow.kfac.stages.contracts import EVERY_RANK
+from kfacflow.kfac.stages.fusion import SCATTER, Routing
 from kfacflow.perf import LinearModel
 
 COUNTS = [[3, 0, 5], [0, 0, 7], [4, 4, 4], [1, 9, 0], [0, 0, 0], [2, 0, 0]]

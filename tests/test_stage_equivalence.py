@@ -12,14 +12,15 @@ import torch.nn.functional as F
 from helpers import run_in_gloo
 from torch import nn
 
-from kfacflow import build, registry
+from kfacflow import registry
 from kfacflow.comm.torch_dist import TorchBackend
-from kfacflow.config import DistConfig, KFACConfig
-from kfacflow.kfac.inverse import Inverse
-from kfacflow.kfac.placement import EVERY_RANK
+from kfacflow.configuration.schema import DistConfig, KFACConfig
+from kfacflow.kfac.stages.inverse import Inverse
+from kfacflow.kfac.stages.placement import EVERY_RANK
 from kfacflow.kfac.variants import resolve
 from kfacflow.perf import InverseModel, LinearModel, Profile
 from kfacflow.registry import GRAD_SYNCS, INVERSES, PLACEMENTS
+from kfacflow.running import build
 
 FUSIONS = registry.FUSIONS.names()
 PLACES = PLACEMENTS.names()

@@ -9,13 +9,13 @@ import torch
 from helpers import kfac_sgd_step, run_in_gloo
 from test_stage_equivalence import batches, make_model
 
-from kfacflow import build
 from kfacflow.comm.torch_dist import TorchBackend
-from kfacflow.config import DistConfig, KFACConfig
-from kfacflow.kfac.inverse import Inverse
+from kfacflow.configuration.schema import DistConfig, KFACConfig
 from kfacflow.kfac.packing import unpack
-from kfacflow.kfac.schedule import Schedule, stagger
-from kfacflow.kfac.stages import EVERY_RANK
+from kfacflow.kfac.planning.schedule import Schedule, stagger
+from kfacflow.kfac.stages.contracts import EVERY_RANK
+from kfacflow.kfac.stages.inverse import Inverse
+from kfacflow.running import build
 
 STEPS = 9
 DAMPING = 0.01

@@ -110,7 +110,7 @@ def test_consecutive_steps_tile_the_wall_clock() -> None:
 
 
 def test_the_timeline_picture_explains_itself(tmp_path: Path) -> None:
-    from kfacflow.timeline import MEANING, write_timeline
+    from kfacflow.running.timeline import MEANING, write_timeline
 
     def ev(name: str, lane: str, t0: float, t1: float) -> dict[str, object]:
         return {"name": name, "lane": lane, "t0": t0, "t1": t1}
@@ -144,7 +144,7 @@ def test_a_layer_profile_takes_each_layers_preconditioning_from_whichever_rank_d
 
     from torch import nn
 
-    from kfacflow.timeline import layer_profile
+    from kfacflow.running.timeline import layer_profile
 
     def ev(name: str, lane: str, t0: float, t1: float) -> dict[str, object]:
         return {"name": name, "lane": lane, "t0": t0, "t1": t1}
@@ -164,7 +164,7 @@ def test_a_layer_profile_takes_each_layers_preconditioning_from_whichever_rank_d
 def test_traced_steps_average_each_time_over_the_steps_that_measured_it() -> None:
     from types import SimpleNamespace
 
-    from kfacflow.timeline import mean_profile, traced_steps
+    from kfacflow.running.timeline import mean_profile, traced_steps
 
     assert traced_steps(SimpleNamespace(timeline=21, timeline_steps=3, timeline_every=10)) == [21, 31, 41]
     assert traced_steps(SimpleNamespace(timeline=5, timeline_steps=1, timeline_every=1)) == [5]

@@ -21,7 +21,7 @@ import fetch_fashion_mnist  # noqa: E402
 import simulate  # noqa: E402
 import tta  # noqa: E402
 
-from kfacflow.recipe import load  # noqa: E402
+from kfacflow.configuration.recipe import load  # noqa: E402
 
 HAND_LAYERS = {
     "world_size": 2,

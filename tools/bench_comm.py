@@ -36,7 +36,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from kfacflow.comm.torch_dist import TorchBackend  # noqa: E402
-from kfacflow.config import DistConfig  # noqa: E402
+from kfacflow.configuration.schema import DistConfig  # noqa: E402
 
 
 def collectives(backend: TorchBackend, elements: int) -> dict[str, Callable[[], object]]:

@@ -7,15 +7,15 @@
 For each model one forward and backward pass of ``--batch`` random images records the shape of every
 preconditioned layer's row matrices (A: patches with the ones column, ``expand`` factors; G: output
 gradients); each distinct shape is then timed on random data, ``pack(a.T @ a)`` against
-:func:`~kfacflow.kfac.factors.gram_packed` with block rows at most ``--blocks`` wide, one after the
+:func:`~kfacflow.kfac.stages.factors.gram_packed` with block rows at most ``--blocks`` wide, one after the
 other on the same matrix, the fastest of ``--reps`` each, and weighted by how many layers have it.
 Prints the step's total for each and the ratio to the whole product; ``GRAM_BLOCK`` in
-``kfacflow/kfac/factors.py`` is chosen from this, on one thread (``--threads``) as the cluster
+``kfacflow/kfac/stages/factors.py`` is chosen from this, on one thread (``--threads``) as the cluster
 benchmarks run.
 
 ``--rows`` times instead the copy that comes before the product: every layer's rows (``a_rows``,
 ``g_rows``) of one real forward and backward pass, row-major against column-major where
-:func:`~kfacflow.kfac.factors.positions_inner` chooses it (the same values, checked), which is how
+:func:`~kfacflow.kfac.stages.factors.positions_inner` chooses it (the same values, checked), which is how
 ``POSITIONS_INNER_FROM`` is chosen.
 """
 
@@ -34,11 +34,11 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kfacflow.kfac import factors  # noqa: E402
-from kfacflow.kfac.factors import ExpandFactors  # noqa: E402
 from kfacflow.kfac.layers import find_layers  # noqa: E402
 from kfacflow.kfac.packing import pack  # noqa: E402
-from kfacflow.models import build_model, check_name  # noqa: E402
+from kfacflow.kfac.stages import factors  # noqa: E402
+from kfacflow.kfac.stages.factors import ExpandFactors  # noqa: E402
+from kfacflow.models.builtin import build_model, check_name  # noqa: E402
 
 
 def one_pass(name: str, image_size: int, channels: int, batch: int) -> list[tuple[nn.Module, Tensor, Tensor]]:

@@ -50,11 +50,13 @@ from torch.utils.data.distributed import DistributedSampler
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kfacflow import UserError, recipe, rundir  # noqa: E402
-from kfacflow.data import build_datasets  # noqa: E402
-from kfacflow.data_checks import cross_entropy  # noqa: E402
-from kfacflow.models import build_model  # noqa: E402
-from kfacflow.optim import build_optimizer  # noqa: E402
+from kfacflow import UserError  # noqa: E402
+from kfacflow.configuration import recipe  # noqa: E402
+from kfacflow.data.checks import cross_entropy  # noqa: E402
+from kfacflow.data.sets import build_datasets  # noqa: E402
+from kfacflow.models.builtin import build_model  # noqa: E402
+from kfacflow.optim.optimizers import build_optimizer  # noqa: E402
+from kfacflow.running import rundir  # noqa: E402
 
 LIBRARIES = ("sgd", "kfacflow", "kfac-pytorch")
 STRATEGIES = {"comm-opt": "COMM_OPT", "mem-opt": "MEM_OPT", "hybrid-opt": "HYBRID_OPT"}

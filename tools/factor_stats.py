@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kfacflow import UserError  # noqa: E402
 from kfacflow.kfac.layers import find_layers  # noqa: E402
 from kfacflow.kfac.packing import packed_size  # noqa: E402
-from kfacflow.models import build_model, check_name  # noqa: E402
+from kfacflow.models.builtin import build_model, check_name  # noqa: E402
 
 
 def stats(name: str, num_classes: int = 1000, channels: int = 3) -> dict[str, Any]:

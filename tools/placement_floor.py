@@ -6,10 +6,10 @@
 From two traced windows (``layers.json`` of ``train.timeline_steps``: one of inverting steps, one of steps
 between), each layer's inversions (both factors) and its preconditioning a step; a period of ``--every``
 steps then waits ``every - 1`` times on the rank with the most preconditioning and once on the rank with
-the most of both (:meth:`kfacflow.kfac.update_plan.LayerWork.period`), where the bound
+the most of both (:meth:`kfacflow.kfac.stages.update_plan.LayerWork.period`), where the bound
 (``tools/simulate.py``) shares both perfectly. Prints the best placement of whole layers' period: over
 every assignment up to 22 layers, else the best that the placement's own moves and swaps
-(``kfacflow.kfac.placement._rebalance``) reach from 200 random starts.
+(``kfacflow.kfac.stages.placement._rebalance``) reach from 200 random starts.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kfacflow.kfac.placement import _rebalance  # noqa: E402
-from kfacflow.kfac.update_plan import LayerWork  # noqa: E402
+from kfacflow.kfac.stages.placement import _rebalance  # noqa: E402
+from kfacflow.kfac.stages.update_plan import LayerWork  # noqa: E402
 
 EXHAUSTIVE = 22
 """Layers up to which every assignment is tried (2^21 of them)."""

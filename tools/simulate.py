@@ -51,13 +51,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import every as read_intervals  # noqa: E402  (--intervals, read as bench reads it)
 from tool_args import counts, in_file, number, out_file  # noqa: E402
 
-from kfacflow import UserError, build, registry  # noqa: E402
-from kfacflow.config import KFACConfig  # noqa: E402
-from kfacflow.kfac import options  # noqa: E402
-from kfacflow.kfac.plan import EngineCaps  # noqa: E402
-from kfacflow.kfac.strategies import OWNERS_PRECONDITION  # noqa: E402
+from kfacflow import UserError, registry  # noqa: E402
+from kfacflow.configuration.schema import KFACConfig  # noqa: E402
+from kfacflow.kfac.planning.plan import EngineCaps  # noqa: E402
+from kfacflow.kfac.stages import options  # noqa: E402
+from kfacflow.kfac.strategies.contracts import OWNERS_PRECONDITION  # noqa: E402
 from kfacflow.kfac.variants import Stages, resolve  # noqa: E402
 from kfacflow.perf import InverseModel, Profile  # noqa: E402
+from kfacflow.running import build
 
 ENGINES = {
     "nccl": EngineCaps(reduces=True, scatters=True, gathers=True),
@@ -65,7 +66,7 @@ ENGINES = {
     "horovod": EngineCaps(reduces=False, scatters=False, gathers=False),
 }
 """``--engine``: the capabilities of the engines kfacflow runs on (:attr:`~kfacflow.comm.base.Backend.reduces` ...)."""
-from kfacflow.simulation import PARTS, average, lower_bound, period, scale_compute  # noqa: E402
+from kfacflow.simulation.events import PARTS, average, lower_bound, period, scale_compute  # noqa: E402
 
 THRESHOLD_MB = KFACConfig().fusion_threshold_mb
 

@@ -54,7 +54,7 @@ from typing import Any
 import where
 from tta_args import check_runs, parse, parse_grid, run_overrides
 
-from kfacflow.recipe import find_recipe
+from kfacflow.configuration.recipe import find_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -155,10 +155,11 @@ def check_runs(args: argparse.Namespace, optimizers: dict[str, list[str]]) -> No
         SystemExit: One ``error:`` line: the recipe's or the user's mistake as run.py says it, or naming the
             optimizer or grid whose setting it is.
     """
-    from kfacflow import UserError, build
+    from kfacflow import UserError
     from kfacflow.cli import parse as split
-    from kfacflow.data import check_data
-    from kfacflow.recipe import load
+    from kfacflow.configuration.recipe import load
+    from kfacflow.data.sets import check_data
+    from kfacflow.running import build
 
     def problem(overrides: list[str]) -> str | None:
         items = split([args.recipe, *overrides, f"out_dir={args.out}"])

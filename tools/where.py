@@ -21,7 +21,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kfacflow.rundir import git_commit  # noqa: E402 - after the path
+from kfacflow.running.rundir import git_commit  # noqa: E402 - after the path
 
 NAME = "where.yaml"
 

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from kfacflow import UserError
 from kfacflow.comm.base import Backend, Done, Handle
 from kfacflow.comm.torch_dist import pick_device
-from kfacflow.config import DistConfig
+from kfacflow.configuration.schema import DistConfig
 from kfacflow.registry import BACKENDS
 
 logger = logging.getLogger(__name__)

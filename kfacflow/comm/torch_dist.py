@@ -19,7 +19,7 @@ from kfacflow import UserError
 from kfacflow.comm import scatter
 from kfacflow.comm.base import Backend, Done, Handle
 from kfacflow.comm.launchers import LOCAL_RANK_VARS, LOCAL_SIZE_VARS, from_env
-from kfacflow.config import DistConfig
+from kfacflow.configuration.schema import DistConfig
 from kfacflow.registry import BACKENDS
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
 """Distributed K-FAC: the stages (factor, communicate, invert, precondition) and their orchestrator.
 
-The stage modules register their entries when :func:`kfacflow.build.load_plugins` imports them.
+The stage modules register their entries when :func:`kfacflow.running.build.load_plugins` imports them.
 """

@@ -9,11 +9,11 @@ import torch
 from torch import Tensor
 
 from kfacflow import UserError
-from kfacflow.kfac.stages import Inverse
+from kfacflow.kfac.stages.contracts import Inverse
 
 if TYPE_CHECKING:
-    from kfacflow.kfac.capture import Capture
-    from kfacflow.kfac.stages import FactorSlot
+    from kfacflow.kfac.hooks.capture import Capture
+    from kfacflow.kfac.stages.contracts import FactorSlot
 
 
 def state_of(inverses: dict[str, Inverse], running: dict[str, Tensor], steps: int, capture: Capture) -> dict[str, Any]:

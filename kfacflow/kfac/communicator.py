@@ -1,8 +1,8 @@
 """Stage *communicate* at run time: factors summed over ranks as the fusion policy groups them.
 
-:class:`Communicator` runs a :class:`~kfacflow.kfac.fusion.Grouper` on the backend during
+:class:`Communicator` runs a :class:`~kfacflow.kfac.stages.fusion.Grouper` on the backend during
 training: each group one :class:`FusedSum` (an all-reduce, a reduction to an owner, or pieces to
-several owners, as the :class:`~kfacflow.kfac.fusion.Routing` of the step's plan says).
+several owners, as the :class:`~kfacflow.kfac.stages.fusion.Routing` of the step's plan says).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 from kfacflow.comm.base import Backend, Handle
-from kfacflow.kfac.fusion import SCATTER, Grouper, Routing
-from kfacflow.kfac.stages import Absent, FusionPolicy, Waiting, side_of
+from kfacflow.kfac.stages.contracts import Absent, FusionPolicy, Waiting, side_of
+from kfacflow.kfac.stages.fusion import SCATTER, Grouper, Routing
 from kfacflow.timing import UNTIL, StepTimer
 
 logger = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ class FusedSum:
     """One asynchronous sum over ranks of several packed factors copied into one buffer.
 
     With several ranks every rank also says, per factor, whether it has one (1) or sent zeros for a
-    layer that did not run on it (0; :class:`~kfacflow.kfac.handover.Absent`), in one element per
+    layer that did not run on it (0; :class:`~kfacflow.kfac.hooks.handover.Absent`), in one element per
     factor at the end of the buffer (of each owner's part, to owners). The averages follow what one
     process would compute on every rank's examples: an A factor (the mean over a layer's inputs) is
     the mean over the ranks that ran the layer; a G factor (a sum over the batch's examples, of which

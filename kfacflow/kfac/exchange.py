@@ -37,8 +37,8 @@ from torch import Tensor
 
 from kfacflow import UserError
 from kfacflow.comm.base import Backend
-from kfacflow.kfac.factors import gram_packed
-from kfacflow.kfac.stages import Absent, layer_of
+from kfacflow.kfac.stages.contracts import Absent, layer_of
+from kfacflow.kfac.stages.factors import gram_packed
 from kfacflow.timing import StepTimer
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kfacflow.kfac.inverse import warn_once
+from kfacflow.kfac.stages.inverse import warn_once
 
 
 def blend(running: dict[str, Tensor], key: str, new: Tensor, finite: Tensor, decay: float) -> None:

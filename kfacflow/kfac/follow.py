@@ -9,17 +9,17 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from kfacflow import UserError
+from kfacflow.kfac.hooks.watch import trained
 from kfacflow.kfac.packing import pack, unpack
-from kfacflow.kfac.watch import trained
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from kfacflow.kfac.capture import Capture
+    from kfacflow.kfac.hooks.capture import Capture
+    from kfacflow.kfac.hooks.watch import Claims
     from kfacflow.kfac.layers import KFACLayer
-    from kfacflow.kfac.stages import FactorSlot
-    from kfacflow.kfac.strategies import State
-    from kfacflow.kfac.watch import Claims
+    from kfacflow.kfac.stages.contracts import FactorSlot
+    from kfacflow.kfac.strategies.contracts import State
 
 
 class Following(Protocol):

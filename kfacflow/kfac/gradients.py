@@ -2,7 +2,7 @@
 
 :class:`GradientAllreduce` averages them after the backward pass, behind the factors; :class:`ToOwners`
 sends each as the backward pass computes it, an owned layer's to its owner alone. Both are the
-step's :class:`Gradients`; the strategies of :mod:`~kfacflow.kfac.grad_sync`
+step's :class:`Gradients`; the strategies of :mod:`~kfacflow.kfac.strategies.grad_sync`
 make them. Every trained parameter has its place in every bucket on every rank, one this rank has
 no gradient of as zeros that say so (:func:`~kfacflow.comm.averaging.flagged`): ranks sum by
 position, and a layer that did not run on some rank (an expert no token went to) must neither
@@ -19,11 +19,11 @@ from torch import Tensor, nn
 
 from kfacflow.comm.averaging import average_sparse, flagged, write_back
 from kfacflow.comm.base import Backend, Handle
-from kfacflow.kfac.stages import EVERY_RANK
+from kfacflow.kfac.stages.contracts import EVERY_RANK
 
 
 class Gradients(Protocol):
-    """A step's own gradient traffic (made by :meth:`~kfacflow.kfac.strategies.GradSync.gradients`)."""
+    """A step's own gradient traffic (made by :meth:`~kfacflow.kfac.strategies.contracts.GradSync.gradients`)."""
 
     def route(self, owned: list[list[Tensor]]) -> None:
         """Send the gradients of ``owned[r]`` (parameters) to rank ``r`` alone (before :meth:`launch`)."""

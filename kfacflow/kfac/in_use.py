@@ -18,9 +18,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kfacflow import UserError
-from kfacflow.config import KFACConfig
-from kfacflow.kfac import options
-from kfacflow.kfac.plan import Choice
+from kfacflow.configuration.schema import KFACConfig
+from kfacflow.kfac.planning.plan import Choice
+from kfacflow.kfac.stages import options
 from kfacflow.kfac.variants import PRESETS, Stages, resolve
 from kfacflow.registry import PLACEMENTS
 
@@ -28,10 +28,10 @@ from kfacflow.registry import PLACEMENTS
 def check(
     kfac: Any, names: Stages | None = None, where: str = "", prefix: str = "kfac.", intervals: bool = True
 ) -> None:
-    """Check the stages' own settings (:func:`kfacflow.kfac.options.check`), then that the stages in use read them.
+    """Check the stages' own settings (:func:`.options.check`), then that the stages in use read them.
 
     Args:
-        kfac: The ``kfac`` section (a ``DictConfig`` or a :class:`~kfacflow.config.KFACConfig`).
+        kfac: The ``kfac`` section (a ``DictConfig`` or a :class:`~kfacflow.configuration.schema.KFACConfig`).
         names: Its stages (:func:`~kfacflow.kfac.variants.resolve`'s), if known.
         where: What opens a message (the library's ``KFACPreconditioner: ``).
         prefix: What opens a key (``kfac.``; the library's arguments have none).

@@ -8,22 +8,22 @@ import torch
 from torch import Tensor
 
 from kfacflow.kfac.layers import KFACLayer
-from kfacflow.kfac.stages import PreconditionStage
+from kfacflow.kfac.stages.contracts import PreconditionStage
 
 if TYPE_CHECKING:
     from kfacflow.kfac.gradients import Gradients
+    from kfacflow.kfac.hooks.rows import RowCapture
     from kfacflow.kfac.plan_life import PlanLife
-    from kfacflow.kfac.rows import RowCapture
     from kfacflow.kfac.state import FactorState
-    from kfacflow.kfac.strategies import Engine, Sent
+    from kfacflow.kfac.strategies.contracts import Engine, Sent
 
 
 class LayerUpdates:
     """Each layer's update from its gradient, its two inverses and (where it goes by them) its rows.
 
     The broadcast strategy preconditions the layers (:meth:`precondition`), applying what this
-    gives it (:class:`~kfacflow.kfac.strategies.Apply`). Each layer is timed for the trace, and for
-    the placement while the plan's life measures the layers (:class:`~kfacflow.kfac.measured.LayerTimes`).
+    gives it (:class:`~kfacflow.kfac.strategies.contracts.Apply`). Each layer is timed for the trace, and for
+    the placement while the plan's life measures the layers (:class:`~kfacflow.kfac.planning.measured.LayerTimes`).
     The stage's ``finish`` (KL clipping) leaves a scale a step, summed on the device until
     :meth:`mean_clip_scale` reads it.
     """

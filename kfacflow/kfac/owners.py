@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from kfacflow.kfac.stages import EVERY_RANK, FactorSlot, Inverse
+from kfacflow.kfac.stages.contracts import EVERY_RANK, FactorSlot, Inverse
 
 if TYPE_CHECKING:
     from kfacflow.comm.base import Backend

@@ -1,12 +1,12 @@
 """The plan's life on this rank: made at the start, made again where an input changes, laid onto the layers.
 
-A step plan (:func:`~kfacflow.kfac.plan.make_plan`) is made again only where one of its inputs
+A step plan (:func:`~kfacflow.kfac.planning.plan.make_plan`) is made again only where one of its inputs
 changes: the layers in use (known after the first step, or from a checkpoint), the layers trained
 (a frozen layer leaves K-FAC: :func:`~kfacflow.kfac.follow.follow_model`), the stages
 (:meth:`PlanLife.reconfigure`), when the factors are expected (for a pipeline that inverts them as
 they arrive), or the layers' measured preconditioning (:meth:`PlanLife.place_measured`). Each plan
 is laid onto the slots, the schedule's turns, the communicator's routes and the factors this rank
-keeps (:func:`~kfacflow.kfac.routes.place`).
+keeps (:func:`~kfacflow.kfac.planning.routes.place`).
 """
 
 from __future__ import annotations
@@ -16,19 +16,19 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from kfacflow.kfac.capture import Capture
 from kfacflow.kfac.communicator import Communicator
 from kfacflow.kfac.follow import follow_model
+from kfacflow.kfac.hooks.capture import Capture
+from kfacflow.kfac.hooks.rows import RowCapture
+from kfacflow.kfac.hooks.watch import Claims, trained
 from kfacflow.kfac.layers import KFACLayer
-from kfacflow.kfac.measured import LayerTimes, worth_moving
-from kfacflow.kfac.plan import EngineCaps, StepPlan, make_plan
-from kfacflow.kfac.routes import place
-from kfacflow.kfac.rows import RowCapture
-from kfacflow.kfac.schedule import Schedule
-from kfacflow.kfac.stages import EVERY_RANK, FactorSlot
+from kfacflow.kfac.planning.measured import LayerTimes, worth_moving
+from kfacflow.kfac.planning.plan import EngineCaps, StepPlan, make_plan
+from kfacflow.kfac.planning.routes import place
+from kfacflow.kfac.planning.schedule import Schedule
+from kfacflow.kfac.stages.contracts import EVERY_RANK, FactorSlot
 from kfacflow.kfac.state import FactorState
-from kfacflow.kfac.strategies import Engine, StageSet, choice_of
-from kfacflow.kfac.watch import Claims, trained
+from kfacflow.kfac.strategies.contracts import Engine, StageSet, choice_of
 from kfacflow.perf import Profile
 
 # The orchestrator's log, where re-planning was always reported (what a reader, or a filter, looks for).
@@ -59,7 +59,7 @@ class PlanLife:
 
     It holds what a plan decides here: the slots (who inverts each factor), the inversion order,
     the layer order, the buckets of updates, the gradients routed to owners, the communicator
-    (whose routes the plan sets); strategies read them through :class:`~kfacflow.kfac.strategies.Routes`.
+    (whose routes the plan sets); strategies read them through :class:`~kfacflow.kfac.strategies.contracts.Routes`.
 
     Args:
         layers: The layers K-FAC preconditions.
@@ -73,7 +73,7 @@ class PlanLife:
         rows: The rows of the layers preconditioned from them (they weigh the layers).
         claims: The layers this preconditioner holds (a frozen one is released).
         comm: Where the step's factors are summed.
-        make: The planner (:func:`~kfacflow.kfac.plan.make_plan`, as the orchestrator's module names it).
+        make: The planner (:func:`~kfacflow.kfac.planning.plan.make_plan`, as the orchestrator's module names it).
     """
 
     def __init__(
@@ -107,7 +107,7 @@ class PlanLife:
         self.layer_times = LayerTimes(self.placement_steps, self.engine.backend.device)
 
     def replan(self, ready: dict[str, float] | None = None, catch_up: bool = True) -> None:
-        """Make a slot per factor of :attr:`layers` and the step's :class:`~kfacflow.kfac.plan.StepPlan`.
+        """Make a slot per factor of :attr:`layers` and the step's :class:`~kfacflow.kfac.planning.plan.StepPlan`.
 
         Again only when an input of the plan changes: the layers in use (known after the first
         step), the stages, when the factors are expected (``ready``, for a pipeline that
@@ -130,7 +130,7 @@ class PlanLife:
             self.state.invert_given()
 
     def _new_plan(self, ready: dict[str, float] | None) -> StepPlan:
-        """The :class:`~kfacflow.kfac.plan.StepPlan` of :attr:`layers` as things stand (changes nothing)."""
+        """The :class:`~kfacflow.kfac.planning.plan.StepPlan` of :attr:`layers` as things stand (changes nothing)."""
         world = self.engine.backend.world_size
         times = [ready.get(key, 0.0) for key in self.keys] if ready is not None else None
         rows = [self.rows.planned.get(layer.name, 0) * world for layer in self.layers] if self.rows.planned else None
@@ -160,7 +160,7 @@ class PlanLife:
         owners alone keep their running averages. Call it where an inverse period starts: the first step
         of the period inverts every factor on its new owner (with a staggered schedule, each rank inverts
         what it takes on at once). The layers move only where the times say a period gets shorter by
-        :data:`~kfacflow.kfac.measured.GAIN` or more. Returns whether any layer changed owner.
+        :data:`~kfacflow.kfac.planning.measured.GAIN` or more. Returns whether any layer changed owner.
         """
         kept, self.seconds = self.seconds, dict(seconds)
         plan = self._new_plan(self.ready)
@@ -246,7 +246,8 @@ class PlanLife:
         """The layers whose averaged gradient this rank never reads: another rank's, where gradients go to owners.
 
         Their owner preconditions them and sends the update and its ``v.g``; the other ranks' copies of
-        such a layer's gradient are left as the backward pass made them (:class:`~kfacflow.kfac.grad_sync.ToOwners`).
+        such a layer's gradient are left as the backward pass made them
+        (:class:`~kfacflow.kfac.strategies.grad_sync.ToOwners`).
         """
         if not self.grad_owned:
             return set()

@@ -2,7 +2,8 @@
 
 What a step acts on lives in rooms of its own, which the strategies are handed instead of the orchestrator:
 the running state (:mod:`~kfacflow.kfac.state`), the plan's life (:mod:`~kfacflow.kfac.plan_life`), the
-layers' updates (:mod:`~kfacflow.kfac.layer_updates`), the step's run-time values (:mod:`~kfacflow.kfac.schedule`).
+layers' updates (:mod:`~kfacflow.kfac.layer_updates`), the step's run-time values
+(:mod:`~kfacflow.kfac.planning.schedule`).
 """
 
 from __future__ import annotations
@@ -14,25 +15,25 @@ from torch import Tensor, nn
 
 from kfacflow import UserError
 from kfacflow.comm.base import Backend
-from kfacflow.config import KFACConfig
-from kfacflow.kfac.capture import Capture
+from kfacflow.configuration.schema import KFACConfig
 from kfacflow.kfac.checkpoint import check_factors, check_layers, state_of
 from kfacflow.kfac.communicator import Communicator
 from kfacflow.kfac.delegated import Delegated
 from kfacflow.kfac.finite import FiniteFlags
 from kfacflow.kfac.gradients import Gradients
-from kfacflow.kfac.inverse import Inverse
+from kfacflow.kfac.hooks.capture import Capture
+from kfacflow.kfac.hooks.rows import RowCapture
+from kfacflow.kfac.hooks.watch import Claims, ForwardHooks
 from kfacflow.kfac.layer_updates import LayerUpdates
 from kfacflow.kfac.layers import KFACLayer, find_layers
-from kfacflow.kfac.measured import LayerTimes
-from kfacflow.kfac.plan import StepPlan, make_plan
 from kfacflow.kfac.plan_life import PlanLife, describe, rows_pay
-from kfacflow.kfac.rows import RowCapture
-from kfacflow.kfac.schedule import Schedule
-from kfacflow.kfac.stages import FactorSlot
+from kfacflow.kfac.planning.measured import LayerTimes
+from kfacflow.kfac.planning.plan import StepPlan, make_plan
+from kfacflow.kfac.planning.schedule import Schedule
+from kfacflow.kfac.stages.contracts import FactorSlot
+from kfacflow.kfac.stages.inverse import Inverse
 from kfacflow.kfac.state import FactorState, dtypes
-from kfacflow.kfac.strategies import Engine, StageSet
-from kfacflow.kfac.watch import Claims, ForwardHooks
+from kfacflow.kfac.strategies.contracts import Engine, StageSet
 from kfacflow.perf import Profile
 from kfacflow.timing import StepTimer
 
@@ -43,19 +44,19 @@ class Preconditioner:
     Call :meth:`step` between the last ``loss.backward()`` of a step and ``optimizer.step()``.
     Hooks capture the layer inputs (A) and output gradients (G) on the steps that update
     factors and hand each packed factor to the communicate stage as soon as it is complete
-    (:mod:`kfacflow.kfac.capture`); a hook on the model itself tells them when a forward pass
+    (:mod:`kfacflow.kfac.hooks.capture`); a hook on the model itself tells them when a forward pass
     ends (:meth:`end_forward`, which may also be called by hand).
 
     Args:
         model: The network (unwrapped; hooks go on its modules).
         cfg: The ``kfac`` section of the recipe (hyperparameters and ``skip``).
-        stages: The built stages (:func:`kfacflow.build.stages`).
+        stages: The built stages (:func:`kfacflow.running.build.stages`).
         backend: The communication engine.
         profile: Performance models (the placement and the schedule of inversions use them).
         timer: Where stage times and (when tracing) per-layer events go.
         accumulate: Forward/backward passes (micro-batches) per step, each loss divided by it.
         batch_dim: The dimension of the model's first tensor input that counts its examples (the
-            ``N`` of the batch-mean loss, which G undoes: :mod:`kfacflow.kfac.watch`).
+            ``N`` of the batch-mean loss, which G undoes: :mod:`kfacflow.kfac.hooks.watch`).
 
     Raises:
         UserError: If the model has no layer K-FAC can precondition, or another preconditioner

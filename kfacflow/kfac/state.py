@@ -8,20 +8,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from kfacflow.config import KFACConfig
+from kfacflow.configuration.schema import KFACConfig
 from kfacflow.kfac.checkpoint import restored
 from kfacflow.kfac.communicator import FusedSum
-from kfacflow.kfac.factor_exchange import AtUpdate, Exchange, exchange_for
 from kfacflow.kfac.finite import FiniteFlags
-from kfacflow.kfac.inverse import Inverse, invert_all
 from kfacflow.kfac.packing import unpack
-from kfacflow.kfac.stages import EVERY_RANK, FactorSlot, InverseMethod
+from kfacflow.kfac.stages.contracts import EVERY_RANK, FactorSlot, InverseMethod
+from kfacflow.kfac.stages.inverse import Inverse, invert_all
+from kfacflow.kfac.strategies.factor_exchange import AtUpdate, Exchange, exchange_for
 
 if TYPE_CHECKING:
-    from kfacflow.kfac.capture import Capture
     from kfacflow.kfac.communicator import Communicator
-    from kfacflow.kfac.schedule import Schedule
-    from kfacflow.kfac.strategies import Engine
+    from kfacflow.kfac.hooks.capture import Capture
+    from kfacflow.kfac.planning.schedule import Schedule
+    from kfacflow.kfac.strategies.contracts import Engine
 
 
 def dtypes(cfg: KFACConfig, parameters: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
@@ -41,7 +41,7 @@ class FactorState:
 
     The slots and the factors this rank keeps (:attr:`held`) are the plan's: the plan's life sets
     them at each plan (:class:`~kfacflow.kfac.plan_life.PlanLife`). The factor exchange
-    (:mod:`kfacflow.kfac.factor_exchange`) says how an arrived factor is blended, and holds this
+    (:mod:`kfacflow.kfac.strategies.factor_exchange`) says how an arrived factor is blended, and holds this
     rank's sums between exchanges.
 
     Args:
@@ -150,7 +150,7 @@ class FactorState:
         """Invert the factors a plan made again gives this rank to invert, where it has their average but no inverse.
 
         The first step's plan is made again once the layers in use and those that go by rows are known
-        (their rows weigh whole layers: :func:`~kfacflow.kfac.update_plan.layer_work`), after that step
+        (their rows weigh whole layers: :func:`~kfacflow.kfac.stages.update_plan.layer_work`), after that step
         inverted by the first plan; every factor of it was averaged on every rank, so each rank can invert
         what it now owns. Before anything was inverted there is nothing to catch up.
         """

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-from kfacflow.config import KFACConfig
-from kfacflow.kfac import factor_sync, grad_sync, inverse_broadcast, pipeline, update_broadcast  # noqa: F401
-from kfacflow.kfac.stages import Variant
-from kfacflow.kfac.strategies import KINDS, settle
+from kfacflow.configuration.schema import KFACConfig
+from kfacflow.kfac.stages.contracts import Variant
+from kfacflow.kfac.strategies import (  # noqa: F401
+    factor_sync,
+    grad_sync,
+    inverse_broadcast,
+    pipeline,
+    update_broadcast,
+)
+from kfacflow.kfac.strategies.contracts import KINDS, settle
 from kfacflow.registry import VARIANTS
 
 __all__ = ["PRESETS", "Stages", "Variant", "resolve"]
@@ -19,10 +25,10 @@ def resolve(cfg: KFACConfig) -> Stages:
     """Return the stages of ``cfg.variant`` with any explicit ``kfac.<stage>`` choice winning.
 
     A preset's strategy whose need the recipe's own choices leave unmet gives way to its
-    fallback (:func:`~kfacflow.kfac.strategies.settle`): e.g. ``factor_sync=owner`` to
+    fallback (:func:`~kfacflow.kfac.strategies.contracts.settle`): e.g. ``factor_sync=owner`` to
     ``allreduce`` and ``grad_sync=owner`` to ``deferred`` where the recipe chose a broadcast of
     inverses (every rank then needs every factor and every gradient); asked for by name, they are
-    checked instead (:func:`kfacflow.build.check_stages`).
+    checked instead (:func:`kfacflow.running.build.check_stages`).
     """
     v = VARIANTS.get(cfg.variant)
     named = {kind for kind in KINDS if getattr(cfg, kind)}

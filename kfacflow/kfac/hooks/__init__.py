@@ -1,0 +1,1 @@
+"""What the model's hooks capture: factors as layers run, their hand-over, rows, the forward passes."""

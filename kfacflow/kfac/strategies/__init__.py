@@ -1,0 +1,1 @@
+"""The strategies that act a step out (pipeline, broadcasts, gradient and factor sync, exchange)."""
