@@ -7,9 +7,9 @@ from typing import Any, get_type_hints
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from kfacflow import UserError
+from kfacflow import UserError, did_you_mean
 from kfacflow.configuration.errors import merge
-from kfacflow.configuration.schema import KFACConfig, OptimConfig, Range, RunConfig
+from kfacflow.configuration.schema import LAYER_KINDS, KFACConfig, OptimConfig, Range, RunConfig
 
 
 def check_ranges(node: DictConfig, cls: type, prefix: str = "") -> None:
@@ -59,6 +59,15 @@ def _check_update_freqs(kfac: DictConfig, lead: str, prefix: str) -> None:
 
 OPTIMIZER_KEYS = {"momentum": ("sgd",), "nesterov": ("sgd",), "betas": ("adamw", "muon"), "eps": ("adamw", "muon")}
 """The ``optim`` keys only some of the shipped optimizers read, and which (``muon``: its section ``optim.muon``)."""
+
+
+def _check_kinds(kinds: Any, key: str) -> None:
+    for kind in kinds:
+        if kind not in LAYER_KINDS:
+            raise UserError(
+                f"{key}: {kind!r} is not a kind of layer K-FAC preconditions; name some of "
+                f"{', '.join(LAYER_KINDS)}.{did_you_mean(str(kind), list(LAYER_KINDS))}"
+            )
 
 
 def _shown(value: Any) -> Any:
@@ -114,6 +123,7 @@ def check(cfg: DictConfig) -> None:
             f"train.dtype={cfg.train.dtype} set train.amp=none (or train.dtype=float32)."
         )
     _check_update_freqs(cfg.kfac, "", "kfac.")
+    _check_kinds(cfg.kfac.kinds, "kfac.kinds")
 
 
 def kfac_section(values: dict[str, Any], where: str) -> KFACConfig:
@@ -128,6 +138,7 @@ def kfac_section(values: dict[str, Any], where: str) -> KFACConfig:
     node = merge(OmegaConf.structured(KFACConfig), values, where)
     check_ranges(node, KFACConfig, "")
     _check_update_freqs(node, f"{where}: ", "")
+    _check_kinds(node.kinds, f"{where}: kinds")
     section = OmegaConf.to_object(node)
     assert isinstance(section, KFACConfig)
     return section

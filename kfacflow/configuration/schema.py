@@ -226,6 +226,10 @@ class DistConfig:
     kfacflow averages the gradients itself (``flow``'s) such parameters are always counted."""
 
 
+LAYER_KINDS = ("linear", "conv2d", "embedding")
+"""The kinds of layer ``kfac.kinds`` may name."""
+
+
 @dataclass
 class KFACConfig:
     """K-FAC: the variant preset and the four stage choices it fills, and hyperparameters."""
@@ -233,7 +237,7 @@ class KFACConfig:
     variant: str = "d"
     """A preset (`--list variant`): ``spd``, ``mpd``, ``d``, ``flow``, ``auto`` or ``sgd`` (no preconditioner)."""
     factor: str = "expand"
-    """How Conv2d factors treat spatial positions (`--list factor`)."""
+    """How factors treat positions, a Conv2d's in the image and a Linear's in a sequence (`--list factor`)."""
     fusion: Optional[str] = None
     """When factors are all-reduced (`--list fusion`); empty takes the variant's."""
     placement: Optional[str] = None
@@ -299,6 +303,10 @@ class KFACConfig:
     a value over 0 is refused); 0: by the estimates from their shapes alone (within about 2x of traced times)."""
     skip: list[str] = field(default_factory=list)
     """fnmatch patterns of module names K-FAC leaves alone (e.g. ``fc``, ``layer4.*``)."""
+    kinds: list[str] = field(default_factory=lambda: ["linear", "conv2d"])
+    """Kinds of layer K-FAC preconditions: ``linear``, ``conv2d``, ``embedding`` (an ``nn.Embedding`` of at most
+    8192 rows, as a Linear on one-hot tokens: its A counts how often each token was seen). Every other
+    parameter is the optimizer's alone; a layer of a kind left out is named once in the log."""
     factor_dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = "auto"
     """What factors are computed, all-reduced and averaged in; ``auto``: the parameters' (float32 under mixed
     precision: activations of the autocast forward are cast up first). Half precision only when named here."""

@@ -1,7 +1,10 @@
 """Which modules K-FAC preconditions, what their weights see, and their gradients as one matrix.
 
-K-FAC's factors describe a weight gradient only when the module computes what ``nn.Linear`` or
-``nn.Conv2d`` computes from the input its hooks see, and nothing else adds to that gradient.
+K-FAC's factors describe a weight gradient only when the module computes what ``nn.Linear``,
+``nn.Conv2d`` or ``nn.Embedding`` computes from the input its hooks see, and nothing else adds to that
+gradient. An embedding is a Linear on one-hot tokens: its weight ``(V, d)`` is that Linear's
+``(d, V)`` transposed, its A factor (``V x V``) counts how often each token was seen (diagonal under
+``expand``), its G is the Linear's. The kinds preconditioned are ``kfac.kinds``.
 Anything else is left to the plain optimizer with one INFO line saying why: a subclass with a
 forward of its own (except the known ones below), a parametrized or computed weight, a weight
 tied to another module, a grouped or non-zero-padded convolution.
@@ -25,6 +28,10 @@ from kfacflow import UserError, did_you_mean
 logger = logging.getLogger(__name__)
 
 OWN_FORWARD = "its forward is its own, so the factors cannot know what it computes"
+EMBEDDING_ROWS = 8192
+"""Most rows of an embedding K-FAC takes: its A factor is ``V x V`` and its factors' rows one-hot ``V`` wide."""
+KINDS: dict[str, type[nn.Module]] = {"linear": nn.Linear, "conv2d": nn.Conv2d, "embedding": nn.Embedding}
+"""The module each of ``kfac.kinds`` names (subclasses too, where their forward is the parent's)."""
 
 # Subclasses whose forward K-FAC knows, by (defining module, class): recognised by name so that
 # kfacflow does not import timm. timm.models.layers held them before timm 0.9.
@@ -62,7 +69,7 @@ def forward_kind(module: nn.Module) -> str | None:
     if isinstance(module, nn.Conv2d) and _defining(module, "_conv_forward") is not nn.Conv2d:
         return None
     owner = _defining(module, "forward")
-    if owner in (nn.Linear, nn.Conv2d) or _key(owner) in _AS_PARENT:
+    if owner in (nn.Linear, nn.Conv2d, nn.Embedding) or _key(owner) in _AS_PARENT:
         return "plain"
     if _key(owner) in _TF_SAME:
         return "tf_same"
@@ -104,9 +111,17 @@ class KFACLayer:
     name: str
     module: nn.Module
     _tf_same: bool = field(init=False, repr=False)
+    embedding: bool = field(init=False)
+    """An ``nn.Embedding``: its gradient matrix is its weight's gradient transposed, its inputs one-hot rows."""
 
     def __post_init__(self) -> None:
         self._tf_same = forward_kind(self.module) == "tf_same"
+        self.embedding = isinstance(self.module, nn.Embedding)
+
+    @property
+    def by_rows(self) -> bool:
+        """Whether its update may be made from its rows (``kfac.precondition=rows``): not from one-hot ones."""
+        return not self.embedding
 
     @property
     def has_bias(self) -> bool:
@@ -116,18 +131,26 @@ class KFACLayer:
     @property
     def params(self) -> list[Tensor]:
         """The parameters it preconditions: the weight, and the bias where it is trained."""
-        bias = self.module.bias
+        bias = getattr(self.module, "bias", None)
         return [self._weight(), bias] if self.has_bias and isinstance(bias, Tensor) else [self._weight()]
 
     @property
     def a_dim(self) -> int:
         """Side of the A factor."""
+        if self.embedding:
+            return self._weight().shape[0]
         return self._weight()[0].numel() + int(self.has_bias)
 
     @property
     def g_dim(self) -> int:
         """Side of the G factor."""
-        return self._weight().shape[0]
+        return self._weight().shape[1 if self.embedding else 0]
+
+    def factor_input(self, x: Tensor, dtype: torch.dtype) -> Tensor:
+        """The module input as the factors take it, in ``dtype``: padded (TF-same), or one-hot tokens (an embedding)."""
+        if self.embedding:
+            return F.one_hot(x.long(), self.a_dim).to(dtype)
+        return self.layer_input(x.to(dtype))
 
     def layer_input(self, x: Tensor) -> Tensor:
         """Return the module input ``x`` as the weight sees it (TF-same convolutions pad it first).
@@ -144,6 +167,8 @@ class KFACLayer:
         weight = self._weight()
         if weight.grad is None:
             return None
+        if self.embedding:
+            return weight.grad.T.contiguous()
         g = weight.grad.reshape(weight.shape[0], -1)
         if self.has_bias:
             bias = self.module.bias
@@ -155,6 +180,9 @@ class KFACLayer:
         """Write a ``(g_dim, a_dim)`` matrix back into the weight (and trained bias) gradients."""
         weight = self._weight()
         assert weight.grad is not None
+        if self.embedding:
+            weight.grad.copy_(mat.T)
+            return
         if self.has_bias:
             bias = self.module.bias
             assert isinstance(bias, Tensor) and bias.grad is not None
@@ -177,20 +205,22 @@ def _param_users(model: nn.Module) -> dict[int, list[str]]:
     return users
 
 
-def skip_reason(name: str, module: nn.Linear | nn.Conv2d, users: dict[int, list[str]]) -> str | None:
+def skip_reason(name: str, module: nn.Linear | nn.Conv2d | nn.Embedding, users: dict[int, list[str]]) -> str | None:
     """Return why K-FAC cannot precondition ``module``, or None if its factors describe its gradient.
 
     Args:
         name: The module's name in the model.
-        module: A Linear or Conv2d (or a subclass).
+        module: A Linear, Conv2d or Embedding (or a subclass).
         users: :func:`_param_users` of the model, to find tied parameters.
     """
     if forward_kind(module) is None:
         return OWN_FORWARD
+    if isinstance(module, nn.Embedding) and (reason := _embedding_reason(module)):
+        return reason
     if parametrize.is_parametrized(module):
         return "it is parametrized (e.g. weight_norm, spectral_norm), so its weight is computed from other parameters"
     for pname in ("weight", "bias"):
-        p = getattr(module, pname)
+        p = getattr(module, pname, None)
         if p is None and pname == "bias":
             continue
         if not isinstance(p, nn.Parameter):
@@ -213,20 +243,40 @@ def skip_reason(name: str, module: nn.Linear | nn.Conv2d, users: dict[int, list[
     return None
 
 
+def _embedding_reason(module: nn.Embedding) -> str | None:
+    """Why an embedding's factors would not describe its gradient (or cost too much), or None."""
+    if module.sparse:
+        return "its gradient is sparse (sparse=True)"
+    if module.max_norm is not None:
+        return "max_norm renormalises its rows in the forward pass"
+    if module.scale_grad_by_freq:
+        return "scale_grad_by_freq scales its gradient by each token's count"
+    if module.num_embeddings > EMBEDDING_ROWS:
+        return f"its {module.num_embeddings} rows would make a factor wider than {EMBEDDING_ROWS}"
+    return None
+
+
+def kinds_left(model: nn.Module, kinds: tuple[str, ...]) -> tuple[str, ...]:
+    """The kinds of layer ``model`` has that ``kinds`` (``kfac.kinds``) leaves to the optimizer."""
+    has = [kind for kind, cls in KINDS.items() if any(isinstance(m, cls) for m in model.modules())]
+    return tuple(sorted(kind for kind in has if kind not in kinds))
+
+
 def _class_name(module: nn.Module) -> str:
     cls = type(module)
     return cls.__name__ if cls.__module__.startswith("torch.") else f"{cls.__module__}.{cls.__qualname__}"
 
 
-def find_layers(model: nn.Module, skip: list[str]) -> list[KFACLayer]:
+def find_layers(model: nn.Module, skip: list[str], kinds: tuple[str, ...] = ("linear", "conv2d")) -> list[KFACLayer]:
     """Return the modules of ``model`` that K-FAC preconditions, in registration order.
 
     Args:
         model: The network (not wrapped in DDP).
         skip: fnmatch patterns of module names to leave alone.
+        kinds: The kinds of layer to precondition (``kfac.kinds``, keys of :data:`KINDS`).
 
     Returns:
-        The preconditioned layers: Linear and Conv2d modules (and the known subclasses) for which
+        The preconditioned layers: modules of the ``kinds`` asked (and the known subclasses) for which
         :func:`skip_reason` finds nothing, whose weight is trained and whose name no pattern
         matches. Each module left out for a :func:`skip_reason` is logged at INFO.
 
@@ -235,8 +285,9 @@ def find_layers(model: nn.Module, skip: list[str]) -> list[KFACLayer]:
     """
     users = _param_users(model)
     layers, candidates, used = [], [], set()
+    taken = tuple(KINDS[kind] for kind in kinds)
     for name, module in model.named_modules():
-        if not isinstance(module, (nn.Linear, nn.Conv2d)):
+        if not isinstance(module, (nn.Linear, nn.Conv2d, nn.Embedding)) or not isinstance(module, taken):
             continue
         reason = skip_reason(name, module, users)
         hits = [pat for pat in skip if fnmatch.fnmatchcase(name, pat)]

@@ -25,7 +25,7 @@ from kfacflow.kfac.hooks.capture import Capture
 from kfacflow.kfac.hooks.rows import RowCapture
 from kfacflow.kfac.hooks.watch import Claims, ForwardHooks
 from kfacflow.kfac.layer_updates import LayerUpdates
-from kfacflow.kfac.layers import KFACLayer, find_layers
+from kfacflow.kfac.layers import KFACLayer, find_layers, kinds_left
 from kfacflow.kfac.plan_life import PlanLife, describe, rows_pay
 from kfacflow.kfac.planning.measured import LayerTimes
 from kfacflow.kfac.planning.plan import StepPlan, make_plan
@@ -79,7 +79,7 @@ class Preconditioner:
         # Without a training loop's timer nothing closes a step: time nothing (no spans, no CUDA events).
         self.timer = timer or StepTimer(backend.device, enabled=False)
         self.engine = Engine(backend, self.timer)
-        layers = find_layers(model, list(cfg.skip))
+        layers = find_layers(model, list(cfg.skip), tuple(cfg.kinds))
         if not layers:
             raise UserError(
                 "kfac: the model has no Linear or Conv2d layer K-FAC can precondition "
@@ -101,7 +101,7 @@ class Preconditioner:
         parts = (self.engine, self.schedule, self.state, self.capture, self.rows, self.claims, comm)
         self.life = PlanLife(layers, stages, profile, cfg.placement_steps, *parts, make_plan)
         self.updates = LayerUpdates(self.state, self.life, self.rows, self.engine)
-        describe(layers, stages, self.life.slots)
+        describe(layers, stages, self.life.slots, kinds_left(model, tuple(cfg.kinds)))
 
     # What callers holding the orchestrator alone (the trainer, the library, tests) read of its rooms.
     running = Delegated[dict[str, Tensor]]("state")

@@ -38,7 +38,15 @@ from torch.utils.hooks import RemovableHandle
 from kfacflow.kfac.hooks.factor_parts import FactorParts
 from kfacflow.kfac.hooks.first_step import NOT_CALLED, learn_uses, merged_calls, more_calls, other_passes, recomputed
 from kfacflow.kfac.hooks.handover import Handover, placeholders
-from kfacflow.kfac.hooks.layer_sums import LayerCapture, Sum, call_input, full_precision, leading, unscaled
+from kfacflow.kfac.hooks.layer_sums import (
+    LayerCapture,
+    Sum,
+    call_input,
+    examples_first,
+    full_precision,
+    leading,
+    unscaled,
+)
 from kfacflow.kfac.layers import KFACLayer
 from kfacflow.kfac.stages.contracts import FactorStage, layer_of
 from kfacflow.kfac.stages.inverse import warn_once
@@ -138,7 +146,7 @@ class Capture:
             given = call_input(args, kwargs)
             if given is None:
                 return
-            x = given.detach()
+            x = examples_first(given.detach(), self._examples(given), self.parts.examples_first)
             self._open = True
             cap = self.captures.setdefault(layer.name, LayerCapture())
             if cap.a_calls == 0:
@@ -150,7 +158,7 @@ class Capture:
             if self.uses is not None and cap.a_calls > self.uses.get(layer.name, 0):
                 raise more_calls(layer.name, cap.a_calls, self.uses.get(layer.name, 0))
             with torch.no_grad(), full_precision(x), self.timer.span("FactorComp", f"{layer.name}/A", "factor"):
-                x_in = layer.layer_input(self._kept(x).to(self.dtype))
+                x_in = layer.factor_input(self._kept(x), self.dtype)
                 packed, rows = self.parts.a_part(layer, module, x_in, self._once(layer))
             if cap.a is None:
                 cap.a = Sum(packed, float(rows))
@@ -180,6 +188,7 @@ class Capture:
                 self._in_backward = True
                 if layer.name not in self._g_order:
                     self._g_order.append(layer.name)
+                grad = examples_first(grad, batch, self.parts.examples_first)
                 kept = self._kept(grad, batch)
                 with torch.no_grad(), full_precision(grad), self.timer.span("FactorComp", f"{layer.name}/G", "factor"):
                     packed = self.parts.g_part(

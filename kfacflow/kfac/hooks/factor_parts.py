@@ -53,6 +53,8 @@ class FactorParts:
         self.takes_rows: Callable[[str, int, int], bool] | None = None
         """Where ``push`` takes a factor as its rows (:class:`~kfacflow.kfac.exchange.Rows`): whether it takes
         ``rows`` more of the ``width``-wide factor ``key`` (``kfac.factor_exchange=inversion``); ``None``: never."""
+        self.examples_first: bool = getattr(factors, "examples_first", False)
+        """Whether the stage reduces over positions, and so must see each input examples first."""
         self._row_counts: dict[str, int] = {}
         """Each layer's rows at its last capture (A's and G's are as many)."""
 

@@ -112,3 +112,14 @@ def leading(t: Tensor, examples: int, keep: int) -> Tensor:
     if not keep or keep >= examples:
         return t
     return t[: max(1, -(-t.shape[0] * keep // examples))]
+
+
+def examples_first(t: Tensor, examples: int, wanted: bool) -> Tensor:
+    """``t`` examples first where the factor stage reduces over positions (``wanted``): ``(S, N, E)`` as ``(N, S, E)``.
+
+    Told by ``examples`` (the model's batch), never guessed from sizes alone; where ``S`` equals ``N``
+    the input is taken as examples first.
+    """
+    if wanted and t.dim() > 2 and t.shape[0] != examples and t.shape[1] == examples:
+        return t.movedim(1, 0)
+    return t

@@ -113,7 +113,7 @@ class RowCapture:
                 return
             with torch.no_grad(), full_precision(x):
                 rows = self.step.setdefault(layer.name, _Rows())
-                rows.a.append(_EXPAND.a_rows(module, layer.layer_input(x.detach().to(self.dtype))))
+                rows.a.append(_EXPAND.a_rows(module, layer.factor_input(x.detach(), self.dtype)))
                 rows.eps = max(rows.eps, torch.finfo(x.dtype).eps)
 
         return hook
@@ -186,7 +186,7 @@ class RowCapture:
     def _plan(self, layers: list[KFACLayer]) -> None:
         """Agree, from this first step's row counts, on the layers that go by rows and each rank's share."""
         world, rank = self.backend.world_size, self.backend.rank
-        if not any(self.pays(world, layer.a_dim, layer.g_dim) for layer in layers):  # none ever would
+        if not any(layer.by_rows and self.pays(world, layer.a_dim, layer.g_dim) for layer in layers):  # none ever would
             self.planned = {}
             self.remove()  # no hook need run on any forward pass again
             return
@@ -199,7 +199,10 @@ class RowCapture:
         self.planned = {
             layer.name: int(n)
             for layer, n in zip(layers, most, strict=True)
-            if n > 0 and uses.get(layer.name, 1) == 1 and self.pays(int(n) * world, layer.a_dim, layer.g_dim)
+            if n > 0
+            and layer.by_rows
+            and uses.get(layer.name, 1) == 1
+            and self.pays(int(n) * world, layer.a_dim, layer.g_dim)
         }
         logger.info(
             "kfac.precondition: %d of %d layers preconditioned from their rows%s",

@@ -16,7 +16,10 @@ Conventions (the paper's, with a batch-mean loss over the local batch of ``N`` e
   ``A = 1/(N L) sum_{n,t} a a^T`` and ``G = 1/N sum_{n,t} Dg Dg^T``, so that
   ``A kron G`` equals KFC's ``Omega kron Gamma``.
 - Conv2d, ``reduce`` (K-FAC-reduce, Eschenhagen et al. 2023): positions are reduced first,
-  ``a_n = 1/L sum_t a_{n,t}``, ``Dg_n = sum_t Dg_{n,t}``, then as for Linear.
+  ``a_n = 1/L sum_t a_{n,t}``, ``Dg_n = sum_t Dg_{n,t}``, then as for Linear. A Linear's tokens
+  (the positions of a sequence, ``(N, S, E)`` inputs) are reduced the same way: the weight is
+  shared across the sequence as a convolution's across the image, and its factors then come from
+  ``N`` rows instead of ``N S``. Capture hands this stage each input examples first.
 
 Averaging these factors over ``P`` workers with ``N`` examples each gives exactly the
 factors of one worker with ``P N`` examples.
@@ -163,12 +166,19 @@ class ExpandFactors:
 
     def a_rows(self, module: nn.Module, x: Tensor) -> Tensor:
         """The rows ``a`` that A is the mean of: ``(rows, a_dim)``, the ones column of a preconditioned bias last."""
-        a = self._conv_a(module, x) if isinstance(module, nn.Conv2d) else x.reshape(-1, x.shape[-1])
+        a = self._conv_a(module, x) if isinstance(module, nn.Conv2d) else self._tokens_a(x)
         return row_matrix(a, bias_preconditioned(module))
 
     def g_rows(self, module: nn.Module, grad_out: Tensor) -> Tensor:
         """The rows ``g`` of the output gradient that G sums: ``(rows, g_dim)``."""
-        return self._conv_g(grad_out) if isinstance(module, nn.Conv2d) else grad_out.reshape(-1, grad_out.shape[-1])
+        return self._conv_g(grad_out) if isinstance(module, nn.Conv2d) else self._tokens_g(grad_out)
+
+    def _tokens_a(self, x: Tensor) -> Tensor:
+        """A Linear's inputs as rows: every token of every example one row."""
+        return x.reshape(-1, x.shape[-1])
+
+    def _tokens_g(self, grad_out: Tensor) -> Tensor:
+        return grad_out.reshape(-1, grad_out.shape[-1])
 
     def _conv_a(self, module: nn.Conv2d, x: Tensor) -> Tensor:
         """The patches, as windows ``(N, H_out, W_out, C_in, kh, kw)`` (``row_matrix`` copies them once)."""
@@ -182,7 +192,16 @@ class ExpandFactors:
 
 
 class ReduceFactors(ExpandFactors):
-    """K-FAC-reduce factors: Conv2d patches averaged and output gradients summed over positions."""
+    """K-FAC-reduce factors: Conv2d patches and a Linear's tokens averaged, output gradients summed over positions."""
+
+    examples_first = True
+    """Inputs with positions come examples first (``(N, S, E)``; capture turns ``(S, N, E)`` round)."""
+
+    def _tokens_a(self, x: Tensor) -> Tensor:
+        return x.flatten(1, -2).mean(dim=1) if x.dim() > 2 else x.reshape(-1, x.shape[-1])
+
+    def _tokens_g(self, grad_out: Tensor) -> Tensor:
+        return grad_out.flatten(1, -2).sum(dim=1) if grad_out.dim() > 2 else grad_out.reshape(-1, grad_out.shape[-1])
 
     def _conv_a(self, module: nn.Conv2d, x: Tensor) -> Tensor:
         return conv_windows(module, x).mean(dim=(1, 2)).flatten(1)
@@ -197,4 +216,8 @@ def _side(packed: Tensor) -> int:
 
 
 FACTORS.add("expand", ExpandFactors, "KFC: each Conv2d output position is a sample (Grosse & Martens 2016)")
-FACTORS.add("reduce", ReduceFactors, "K-FAC-reduce: Conv2d positions averaged first (Eschenhagen et al. 2023)")
+FACTORS.add(
+    "reduce",
+    ReduceFactors,
+    "K-FAC-reduce: Conv2d positions and a Linear's tokens reduced first (Eschenhagen et al. 2023)",
+)
