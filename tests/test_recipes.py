@@ -42,8 +42,9 @@ def shrink(recipe: Path) -> list[str]:
     # layer3 alone): the layers with one wider than WIDE are left out, by name (a pattern must match a layer).
     wide = [layer.name for layer in find_layers(build_model(model, 10, 3), []) if max(layer.a_dim, layer.g_dim) > WIDE]
     skip = [*((cfg.get("kfac") or {}).get("skip") or []), *wide]
-    # Inception-v4's stem and reduction blocks need at least ~75 px; the others run at 32 px.
-    size = ["data.image_size=96"] if "inception" in model else []
+    # Inception-v4's stem and reduction blocks need at least ~75 px; a ViT's patches must tile the images (its
+    # 7 px ones Fashion-MNIST's 28 px); the others run at 32 px.
+    size = ["data.image_size=96"] if "inception" in model else ["data.image_size=28"] if model == "vit" else []
     return [*SMALL_SYNTHETIC, *size, f"kfac.skip=[{','.join(skip)}]"]
 
 

@@ -19,10 +19,11 @@ class ModelConfig:
     name: str = "digits_cnn"
     """A registry name (`--list model`): built-ins, any torchvision classifier, or ``timm/<name>``."""
     kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of the model's factory, e.g. ``model.kwargs.img_size=32`` for a timm ViT: timm's
-    ``create_model``, torchvision's builder, or your ``module.path:factory`` (after ``num_classes, in_channels``).
-    The built-ins take none; the classes, the channels and ``pretrained``/``weights`` are not given here (they come
-    from the data; nothing is downloaded). An argument the factory does not take is refused, naming what it takes."""
+    """Keyword arguments of the model's factory, e.g. ``model.kwargs.patch_size=4`` for the built-in ``vit``, or
+    ``model.kwargs.img_size=32`` for a timm ViT: timm's ``create_model``, torchvision's builder, or your
+    ``module.path:factory`` (after ``num_classes, in_channels``). The other built-ins take none; the classes, the
+    channels, ``vit``'s image size and ``pretrained``/``weights`` are not given here (they come from the data;
+    nothing is downloaded). An argument the factory does not take is refused, naming what it takes."""
 
 
 @dataclass

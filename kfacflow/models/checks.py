@@ -1,4 +1,6 @@
-"""Whether the model can take the data's images: one forward pass of two blank images when it is built.
+"""Whether the model can take the data's images, and what of it K-FAC leaves to the optimizer alone.
+
+The images: one forward pass of two blank images when the model is built.
 
 Models check their input in their own ways: a convolution that runs out of pixels raises a
 ``RuntimeError``, a ViT's patch embedding an ``AssertionError`` (timm's ``_assert``, torch's
@@ -8,8 +10,10 @@ hooks it, finds every kind in the same place and says what to change, in one lin
 
 from __future__ import annotations
 
+import logging
+import re
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +23,8 @@ from torch import nn
 from kfacflow import UserError
 from kfacflow.models.builtin import factory_of
 from kfacflow.usercode import first_line
+
+logger = logging.getLogger(__name__)
 
 HOOKS = Path(__file__).resolve().parents[1] / "kfac"
 """K-FAC's own code: an error raised there is a bug of kfacflow's, whose traceback is kept."""
@@ -108,3 +114,21 @@ def explained(err: Exception, name: str, data: str, first: bool) -> Exception:
         f"model.name={name} cannot run on this data ({data}): {message}. Raise data.image_size, or choose a model "
         "made for this input size (e.g. resnet20 for 32 px)."
     )
+
+
+def log_left_out(model: nn.Module, preconditioned: Iterable[torch.Tensor]) -> list[str]:
+    """Log, in one INFO line, the trained parameters outside K-FAC's layers (norms, embeddings, tokens).
+
+    K-FAC's own log names the Linear and Conv2d modules it skips; the parameters of other modules, and
+    those a model holds itself (a position embedding, a class token), are the optimizer's alone too.
+    Repeated blocks are named once, their indices as ``*`` (``blocks.*.norm1.weight``).
+
+    Returns:
+        The names logged, in the model's order.
+    """
+    held = {id(p) for p in preconditioned}
+    names = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+    left = list(dict.fromkeys(re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", n) for n in names))
+    if left:
+        logger.info("K-FAC leaves %d parameter tensors to the optimizer alone: %s", len(names), ", ".join(left))
+    return left

@@ -64,6 +64,10 @@ def worker(config_yaml: str, argv: list[str], announce: bool) -> str | None:
             if isinstance(err, UserCodeError):
                 err.print_cause()
             print(f"error: {err}", file=sys.stderr, flush=True)
+        else:
+            # Rank 0 raises the same and says it; ending first, this rank would have the launcher stop rank 0
+            # before it could (a model every rank refuses as it is built), and the job would end without a word.
+            time.sleep(SECONDARY_DELAY_S)
         note_failure(rank, err.exit_code, secondary=False)
         raise SystemExit(err.exit_code) from None
     except Exception as err:
