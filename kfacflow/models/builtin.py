@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from kfacflow import UserError, did_you_mean
+from kfacflow.models import gpt
 from kfacflow.registry import MODELS
 from kfacflow.usercode import call_factory, first_line
 
@@ -130,7 +131,7 @@ def factory_of(name: str) -> Factory:
         return _of_class("torchvision", _returned(entry), _named(entry))
     if ":" in name:
         return _of_function(name, MODELS.get(name))
-    return Factory(f"kfacflow's {name}", ())
+    return Factory(f"kfacflow's {name}", tuple(_named(MODELS.get(name), skip=2)))
 
 
 def _library_entry(name: str) -> Callable[..., Any] | None:
@@ -205,7 +206,7 @@ def check_kwargs(name: str, kwargs: Mapping[str, Any]) -> None:
             takes = (
                 f"It takes: {', '.join(factory.takes)}."
                 if factory.takes
-                else "It takes none: model.kwargs is for timm/<name>, torchvision and module.path:factory models."
+                else "It takes none: model.kwargs is for gpt, timm/<name>, torchvision and module.path:factory models."
             )
             raise UserError(
                 f"model.kwargs.{key}: model.name={name} ({factory.what}) takes no argument {key!r}."
@@ -356,6 +357,9 @@ def _resnet20(num_classes: int, in_channels: int) -> nn.Module:
 @MODELS.register("resnet32", "CIFAR ResNet-32 (5x3 basic blocks, 16/32/64 channels)")
 def _resnet32(num_classes: int, in_channels: int) -> nn.Module:
     return CifarResNet(5, num_classes, in_channels)
+
+
+MODELS.add("gpt", gpt.build, "GPT-style byte-level language model (text data; model.kwargs n_layer, d_model, ...)")
 
 
 def _torchvision(name: str, num_classes: int, in_channels: int, **kwargs: Any) -> nn.Module:
