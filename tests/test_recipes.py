@@ -10,6 +10,7 @@ import pytest
 import yaml
 from helpers import ROOT, last_line, run_cli_batch
 
+from kfacflow.data.text import TEXT_SETS
 from kfacflow.kfac.layers import find_layers
 from kfacflow.models.builtin import build_model
 
@@ -37,6 +38,8 @@ def shrink(recipe: Path) -> list[str]:
     cfg = yaml.safe_load(recipe.read_text()) or {}
     if ((cfg.get("data") or {}).get("name") or "digits") == "digits":
         return ["data.workers=0"]
+    if (cfg.get("data") or {}).get("name") in TEXT_SETS:  # a few kB of its own text, no images
+        return ["data.workers=0", "data.text_bytes=20000", "data.batch_size=4"]
     model = str((cfg.get("model") or {}).get("name"))
     # Inverting factors thousands wide takes seconds each on 2 cores (ResNet-152 has 36 of 2305 in
     # layer3 alone): the layers with one wider than WIDE are left out, by name (a pattern must match a layer).

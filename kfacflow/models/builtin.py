@@ -20,6 +20,7 @@ from typing import Any
 from torch import nn
 
 from kfacflow import UserError, did_you_mean
+from kfacflow.models import gpt
 from kfacflow.models.cnns import CifarResNet, DigitsCNN
 from kfacflow.models.vit import ViT
 from kfacflow.registry import MODELS
@@ -220,7 +221,7 @@ def check_kwargs(name: str, kwargs: Mapping[str, Any]) -> None:
             takes = (
                 f"It takes: {', '.join(factory.takes)}."
                 if factory.takes
-                else "It takes none: model.kwargs is for vit, timm/<name>, torchvision and module.path:factory models."
+                else "It takes none: model.kwargs is for vit, gpt, timm/<name>, torchvision and module.path:factory."
             )
             raise UserError(
                 f"model.kwargs.{key}: model.name={name} ({factory.what}) takes no argument {key!r}."
@@ -288,6 +289,7 @@ def _resnet32(num_classes: int, in_channels: int) -> nn.Module:
 
 # The class itself: its parameters are the model.kwargs it takes (patch_size, dim, depth, heads, mlp_ratio, dropout).
 MODELS.add("vit", ViT, "small Vision Transformer for the data's image size (patch conv, pre-norm blocks, mean pooling)")
+MODELS.add("gpt", gpt.build, "GPT-style byte-level language model (text data; model.kwargs n_layer, d_model, ...)")
 
 
 def _torchvision(name: str, num_classes: int, in_channels: int, **kwargs: Any) -> nn.Module:

@@ -1,6 +1,6 @@
-"""Whether the model can take the data's images, and what of it K-FAC leaves to the optimizer alone.
+"""Whether the model can take the data, and what of it K-FAC leaves to the optimizer alone.
 
-The images: one forward pass of two blank images when the model is built.
+The data: one forward pass of two blank images (or token windows) when the model is built.
 
 Models check their input in their own ways: a convolution that runs out of pixels raises a
 ``RuntimeError``, a ViT's patch embedding an ``AssertionError`` (timm's ``_assert``, torch's
@@ -51,6 +51,11 @@ def check_input(model: nn.Module, name: str, kwargs: Mapping[str, Any], channels
     Raises:
         UserError: The model cannot take them, naming ``data.image_size`` and ``model.kwargs`` where it takes a size.
     """
+    if getattr(model, "takes_tokens", False):
+        raise UserError(
+            f"model.name={name} is a language model: it takes token ids, not the data's {channels}x{size}x{size} "
+            "images; give it a text data set (data.name=python_source or text_files), or choose an image model."
+        )
     first = next(model.parameters())
     x = torch.zeros(TRIAL, channels, size, size, dtype=first.dtype, device=first.device)
     if nhwc:
@@ -67,6 +72,42 @@ def check_input(model: nn.Module, name: str, kwargs: Mapping[str, Any], channels
         ) from None
     finally:
         model.train(training)
+
+
+def check_tokens(model: nn.Module, name: str, kwargs: Mapping[str, Any], vocab: int, seq_len: int) -> None:
+    """Run ``model`` once on two windows of ``seq_len`` token ids (eval mode, no gradients), as :func:`check_input`.
+
+    Its logits must be ``(batch, seq_len, vocab)``: one per position, as the loss over every position takes them.
+
+    Raises:
+        UserError: The model cannot take the windows, naming ``data.seq_len`` and the model's context argument
+            where it has one, or it returns another shape.
+    """
+    first = next(model.parameters())
+    x = torch.zeros(TRIAL, seq_len, dtype=torch.int64, device=first.device)
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(x)
+    except (AssertionError, RuntimeError, ValueError, IndexError, TypeError) as err:
+        takes = "seq_len" in kwargs or "seq_len" in (factory_of(name).takes or ())
+        fix = f"set model.kwargs.seq_len={seq_len} or lower data.seq_len" if takes else "lower data.seq_len"
+        if not getattr(model, "takes_tokens", False):  # perhaps an image model: token ids are no images
+            fix += ", or choose a language model (model.name=gpt)"
+        raise UserError(
+            f"model.name={name} cannot take the data's windows of {seq_len} tokens (data.seq_len={seq_len}): "
+            f"{first_line(err).rstrip('.')}; {fix}."
+        ) from None
+    finally:
+        model.train(training)
+    want = (TRIAL, seq_len, vocab)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
+        got = f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else f"a {type(out).__name__}"
+        raise UserError(
+            f"model.name={name} returns {got} for {TRIAL} windows of {seq_len} tokens, not the {want} of a language "
+            f"model (a logit per position over the vocabulary of {vocab}); the loss takes every position's."
+        )
 
 
 def _fix(model: nn.Module, name: str, kwargs: Mapping[str, Any], size: int) -> str:

@@ -34,7 +34,7 @@ from kfacflow.kfac.strategies import contracts as strategies
 from kfacflow.kfac.strategies.contracts import StageSet
 from kfacflow.kfac.variants import Stages, resolve
 from kfacflow.models.builtin import build_model, check_kwargs, check_name
-from kfacflow.models.checks import check_input, log_left_out
+from kfacflow.models.checks import check_input, check_tokens, log_left_out
 from kfacflow.optim.optimizers import build_optimizer, build_scheduler
 from kfacflow.perf import Profile
 from kfacflow.running.resume import check_meta, check_model
@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 PLUGINS = (
     "kfacflow.data.builtin",
+    "kfacflow.data.text",
     "kfacflow.models.builtin",
     "kfacflow.optim.optimizers",
     "kfacflow.comm.torch_dist",
@@ -352,7 +353,10 @@ def training(cfg: DictConfig, backend: Backend, run_dir: Path, timer: StepTimer)
     if cfg.train.channels_last:  # the trainer sends the images in the same format
         model = model.to(memory_format=torch.channels_last)
     # before cuDNN's benchmark mode, which would time its algorithms for the trial's shape too
-    check_input(model, cfg.model.name, kwargs, info.channels, info.image_size, cfg.train.channels_last)
+    if info.tokens:
+        check_tokens(model, cfg.model.name, kwargs, info.num_classes, info.seq_len)
+    else:
+        check_input(model, cfg.model.name, kwargs, info.channels, info.image_size, cfg.train.channels_last)
     if backend.device.type == "cuda":
         torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
     names = resolve(cfg.kfac)
