@@ -128,7 +128,9 @@ MISTAKES = [
     pytest.param([QUICK, "model.name=timm/resnet1"], ("model.name", "resnet1", "resnet18"), id="timm-typo"),
     pytest.param([QUICK, "model.name=timm/"], ("model.name", "timm/resnet50"), id="timm-empty"),
     pytest.param(
-        ["recipes/nope.yaml"], ("recipes/nope.yaml", "or a shipped recipe: cifar10_resnet20"), id="missing-recipe"
+        ["recipes/nope.yaml"],
+        ("recipes/nope.yaml", "or a shipped recipe: charlm_gpt, cifar10_resnet20"),
+        id="missing-recipe",
     ),
     pytest.param([QUICK, "{tmp}/bad.yaml"], ("bad.yaml", "not valid YAML"), id="invalid-yaml"),
     pytest.param([QUICK, "{tmp}/list.yaml"], ("list.yaml", "mapping"), id="yaml-list"),

@@ -10,6 +10,7 @@ import pytest
 import yaml
 from helpers import ROOT, last_line, run_cli_batch
 
+from kfacflow.data.text import TEXT_SETS
 from kfacflow.kfac.layers import find_layers
 from kfacflow.models.builtin import build_model
 
@@ -37,13 +38,16 @@ def shrink(recipe: Path) -> list[str]:
     cfg = yaml.safe_load(recipe.read_text()) or {}
     if ((cfg.get("data") or {}).get("name") or "digits") == "digits":
         return ["data.workers=0"]
+    if (cfg.get("data") or {}).get("name") in TEXT_SETS:  # a few kB of its own text, no images
+        return ["data.workers=0", "data.text_bytes=20000", "data.batch_size=4"]
     model = str((cfg.get("model") or {}).get("name"))
     # Inverting factors thousands wide takes seconds each on 2 cores (ResNet-152 has 36 of 2305 in
     # layer3 alone): the layers with one wider than WIDE are left out, by name (a pattern must match a layer).
     wide = [layer.name for layer in find_layers(build_model(model, 10, 3), []) if max(layer.a_dim, layer.g_dim) > WIDE]
     skip = [*((cfg.get("kfac") or {}).get("skip") or []), *wide]
-    # Inception-v4's stem and reduction blocks need at least ~75 px; the others run at 32 px.
-    size = ["data.image_size=96"] if "inception" in model else []
+    # Inception-v4's stem and reduction blocks need at least ~75 px; a ViT's patches must tile the images (its
+    # 7 px ones Fashion-MNIST's 28 px); the others run at 32 px.
+    size = ["data.image_size=96"] if "inception" in model else ["data.image_size=28"] if model == "vit" else []
     return [*SMALL_SYNTHETIC, *size, f"kfac.skip=[{','.join(skip)}]"]
 
 

@@ -84,6 +84,8 @@ BAD = [
     ("tta.py", ("quickstart", "--targets", ""), "--targets", None),
     ("tta.py", ("quickstart", "--targets", "90"), "--targets", None),
     ("tta.py", ("quickstart", "--targets", "nan"), "--targets", None),
+    ("tta.py", ("quickstart", "--loss-targets", "low"), "--loss-targets", None),
+    ("tta.py", ("quickstart", "--loss-targets", "0"), "--loss-targets", None),
     ("tta.py", ("quickstart", "--epochs", "0"), "--epochs", None),
     ("tta.py", ("quickstart", "--eval-every", "ten"), "--eval-every", None),
     ("tta.py", ("quickstart", "--optimizers", ""), "--optimizers", None),

@@ -756,6 +756,55 @@ def test_tta_stopping_at_the_target_chooses_the_first_to_reach_it() -> None:
     assert "0.900 (1 stopped at the target)" in tta.markdown(rows, [0.9])
 
 
+def test_tta_times_loss_targets_as_it_times_accuracies(tmp_path: Path) -> None:
+    import tta
+    from tta_args import parse, run_overrides
+
+    def run(lr: str, losses: list[float], stopped: float | None) -> dict[str, object]:
+        history = [
+            {"epoch": i / 4, "step": 10 * i, "seconds": 10.0 * i, "val_acc": 0.4, "val_loss": loss}
+            for i, loss in enumerate(losses, 1)
+        ]
+        return {
+            "optimizer": "x",
+            "point": [f"optim.lr={lr}"],
+            "val_acc": 0.4,
+            "val_loss": losses[-1],
+            "train_seconds": 10.0 * len(losses),
+            "steps": 10 * len(losses),
+            "step_time_median_s": 0.1,
+            "history": history,
+            "stopped_at_loss": stopped,
+        }
+
+    low = run("0.001", [2.0, 1.7, 1.4], None)  # the lowest final loss; at 1.6 and 1.5 only at 30 s
+    fast = run("0.003", [1.8, 1.5], 1.5)  # the first to 1.5, stopped there at 20 s
+    never = run("0.0003", [3.0, 2.5, 2.2], None)
+    assert tta.best([low, fast, never]) is fast  # by accuracy, all alike: the fewest seconds
+    assert tta.best([fast, low, never], loss=True) is low
+    assert tta.best([low, fast, never], [tta.Target(1.5, loss=True)], loss=True) is fast
+    targets = [tta.Target(1.6, loss=True), tta.Target(1.5, loss=True)]
+    rows = tta.summarize({"adamw": [low], "flow": [fast]}, targets)
+    assert rows[0]["loss1.6"]["seconds"] == 30.0 and rows[1]["loss1.5"]["seconds"] == 20.0
+    assert rows[0]["final_loss_mean"] == 1.4 and rows[1]["stopped"] == 1
+    table = tta.markdown(rows, targets)
+    head = "| optimizer (chosen point) | final val acc | final val loss | ms/step (mean) | to loss 1.6: s (range) |"
+    assert table.startswith(head)
+    assert "| 1.400 |" in table and "20.0 (20.0-20.0) = 0.67x" in table  # flow against AdamW's 30 s
+    tta.picture({"adamw": [low], "flow": [fast]}, targets, tmp_path / "tta.png", "loss targets")
+    assert (tmp_path / "tta.png").stat().st_size > 10_000
+    out = ["--out", str(tmp_path / "out")]
+    args = parse(["r.yaml", "--loss-targets", "1.5,1.6", "--stop-at", *out], "", tta.OPTIMIZERS, tta.GRIDS)
+    assert (args.targets, args.loss_targets, args.stop_at, args.stop_at_loss) == ([], [1.6, 1.5], 0.0, 1.5)
+    overrides = run_overrides(args, [], [], 0)
+    assert "train.stop_at_loss=1.5" in overrides and not any("stop_at_accuracy" in o for o in overrides)
+    both = parse(
+        ["r.yaml", "--targets", "0.5", "--loss-targets", "1.5", "--stop-at", *out], "", tta.OPTIMIZERS, tta.GRIDS
+    )
+    assert (both.targets, both.stop_at, both.stop_at_loss) == ([0.5], 0.5, 1.5)
+    assert parse(["r.yaml", *out], "", tta.OPTIMIZERS, tta.GRIDS).targets == [0.9]  # accuracy, as before
+
+
 def test_tta_names_a_swept_budget_in_epochs() -> None:
     import tta
 

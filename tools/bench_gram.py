@@ -44,7 +44,7 @@ from kfacflow.models.builtin import build_model, check_name  # noqa: E402
 def one_pass(name: str, image_size: int, channels: int, batch: int) -> list[tuple[nn.Module, Tensor, Tensor]]:
     """Every preconditioned layer of ``name`` with its input and output gradient from one forward and backward pass."""
     check_name(name)
-    model = build_model(name, 10, channels)
+    model = build_model(name, 10, channels, image_size=image_size)
     inputs: dict[nn.Module, Tensor] = {}
     grads: dict[nn.Module, Tensor] = {}
 

@@ -150,7 +150,8 @@ def train(args: argparse.Namespace, overrides: list[str]) -> int:
     train_set, _, info = build_datasets(cfg.data)
     sampler: DistributedSampler[Any] = DistributedSampler(train_set, world, rank, seed=seed, drop_last=True)
     loader = DataLoader(train_set, batch_size=cfg.data.batch_size, sampler=sampler, drop_last=True)
-    model = build_model(cfg.model.name, info.num_classes, info.channels).to(device)
+    kwargs: dict[str, Any] = OmegaConf.to_container(cfg.model.kwargs)  # type: ignore[assignment]  # a str-keyed map
+    model = build_model(cfg.model.name, info.num_classes, info.channels, kwargs, info.image_size).to(device)
     optimizer = build_optimizer(model, cfg.optim)
     # kfacflow averages the gradients itself, after the factors; DDP does it for the others.
     wrap = distributed and args.library != "kfacflow"

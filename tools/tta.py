@@ -26,11 +26,16 @@ The budget is a setting like the rate: a grid may sweep ``train.steps`` (it wins
 cosine schedule spans it), e.g. ``--grid "sgd=optim.lr:0.05;train.steps:1170,1404"``, so that each
 optimizer is compared at its own best budget; the picture's legend names a chosen point's budget.
 
+``--loss-targets 1.6,1.5`` times the runs to validation losses at or below each, as ``--targets`` to
+accuracies (a language model's, ``recipes/charlm_gpt.yaml``); given alone, they replace the accuracy
+targets, and the point of a sweep is then the one with the lowest final validation loss, and the picture
+plots the loss.
+
 ``--stop-at`` ends each run at its first evaluation at or above the highest target
-(``train.stop_at_accuracy``): the learning-rate schedule is still the whole budget's, so the curve
-up to there is the full run's, and the rest of the budget is not spent. The point of a sweep is
-then the one first to that target (not the best final accuracy), and the table's accuracy is the
-one at the stop.
+(``train.stop_at_accuracy``) and at or below the lowest loss target (``train.stop_at_loss``): the
+learning-rate schedule is still the whole budget's, so the curve up to there is the full run's, and
+the rest of the budget is not spent. The point of a sweep is then the one first to that target (not
+the best final accuracy), and the table's accuracy is the one at the stop.
 
 Writes ``tta.json`` (every run's history, the chosen points, the summary), ``tta.md`` (the mean step:
 training seconds over steps, inversion steps and all; seconds and epochs to each target: mean and
@@ -48,6 +53,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -102,10 +109,40 @@ def point_name(point: list[str]) -> str:
     return "_".join(item.split("=")[0].rsplit(".", 1)[-1] + item.split("=")[1] for item in point) or "recipe"
 
 
-def reached(history: list[dict[str, Any]], target: float) -> dict[str, float] | None:
-    """The first evaluation at or above ``target``: its training seconds and epoch (None if none is)."""
+@dataclass(frozen=True)
+class Target:
+    """A validation accuracy to reach (at or above it), or with ``loss`` a validation loss (at or below it)."""
+
+    value: float
+    loss: bool = False
+
+    def met(self, record: dict[str, Any]) -> bool:
+        """Whether the evaluation ``record`` reached it."""
+        return bool(record["val_loss"] <= self.value if self.loss else record["val_acc"] >= self.value)
+
+    @property
+    def key(self) -> str:
+        """Its name in ``tta.json``'s rows: ``0.9``, ``loss1.5``."""
+        return f"loss{self.value:g}" if self.loss else f"{self.value:g}"
+
+    @property
+    def label(self) -> str:
+        """Its name in the table: ``90%``, ``loss 1.5``."""
+        return f"loss {self.value:g}" if self.loss else f"{self.value:.0%}"
+
+
+def targets_of(given: float | Target | Sequence[float | Target]) -> list[Target]:
+    """Targets as :class:`Target` (a bare number is an accuracy; 0 is none)."""
+    items = given if isinstance(given, Sequence) else [given] if given else []
+    return [item if isinstance(item, Target) else Target(item) for item in items]
+
+
+def reached(history: list[dict[str, Any]], target: float | Target | Sequence[Target]) -> dict[str, float] | None:
+    """The first evaluation that reached ``target`` (every one of a list): its training seconds and epoch (None if
+    none did)."""
+    wanted = targets_of(target)
     for record in history:
-        if record["val_acc"] >= target:
+        if all(t.met(record) for t in wanted):
             return {"seconds": record["seconds"], "epoch": record["epoch"]}
     return None
 
@@ -162,74 +199,85 @@ def record(name: str, point: list[str], seed: int, summary: dict[str, Any]) -> d
         "point": point,
         "seed": seed,
         "val_acc": summary["val_acc"],
+        "val_loss": summary.get("val_loss"),
         "train_seconds": summary["history"][-1]["seconds"],
         "steps": summary["steps"],
         "step_time_median_s": summary["step_time_median_s"],
         "outside_wall_s": summary.get("outside_wall_s"),
         "stopped_at_accuracy": summary.get("stopped_at_accuracy"),
+        "stopped_at_loss": summary.get("stopped_at_loss"),
         "history": [{k: r[k] for k in ("epoch", "step", "seconds", "val_acc", "val_loss")} for r in summary["history"]],
     }
 
 
-def best(runs: list[dict[str, Any]], stop_at: float = 0.0) -> dict[str, Any]:
-    """The run with the best final validation accuracy; ties go to fewer training seconds.
+def best(runs: list[dict[str, Any]], stop_at: float | Sequence[Target] = 0.0, loss: bool = False) -> dict[str, Any]:
+    """The run with the best final validation accuracy (``loss``: the lowest validation loss); ties go to fewer
+    training seconds.
 
-    With ``stop_at`` (the runs stopped there): the first to reach it, then the best accuracy.
+    With ``stop_at`` (the runs stopped there, at every target of a list): the first to reach it, then the best.
     """
-    if stop_at:
+    final = (lambda r: r["val_loss"]) if loss else (lambda r: -r["val_acc"])
+    if targets_of(stop_at):
 
         def first(run: dict[str, Any]) -> float:
-            hit = reached(run["history"], stop_at)
+            hit = reached(run["history"], targets_of(stop_at))
             return hit["seconds"] if hit else float("inf")
 
-        return min(runs, key=lambda r: (first(r), -r["val_acc"]))
-    return max(runs, key=lambda r: (r["val_acc"], -r["train_seconds"]))
+        return min(runs, key=lambda r: (first(r), final(r)))
+    return min(runs, key=lambda r: (final(r), r["train_seconds"]))
 
 
-def summarize(chosen: dict[str, list[dict[str, Any]]], targets: list[float]) -> list[dict[str, Any]]:
+def summarize(chosen: dict[str, list[dict[str, Any]]], targets: Sequence[float | Target]) -> list[dict[str, Any]]:
     """Per optimizer and target: seconds and epochs to it over the seeds (mean, range, how many reached it)."""
     rows = []
     for name, runs in chosen.items():
+        losses = [r["val_loss"] for r in runs if r.get("val_loss") is not None]
         row: dict[str, Any] = {
             "optimizer": name,
             "point": runs[0]["point"],
             "seeds": len(runs),
             "final_acc_mean": statistics.fmean(r["val_acc"] for r in runs),
             "final_acc_range": [min(r["val_acc"] for r in runs), max(r["val_acc"] for r in runs)],
+            "final_loss_mean": statistics.fmean(losses) if losses else None,
             "step_ms": 1000 * statistics.fmean(r["train_seconds"] / r["steps"] for r in runs),
             "median_step_ms": 1000 * statistics.fmean(r["step_time_median_s"] for r in runs),
             "budget_seconds": statistics.fmean(r["train_seconds"] for r in runs),
-            "stopped": sum(1 for r in runs if r.get("stopped_at_accuracy")),
+            "stopped": sum(1 for r in runs if r.get("stopped_at_accuracy") or r.get("stopped_at_loss")),
         }
-        for target in targets:
+        for target in targets_of(targets):
             hits = [h for r in runs if (h := reached(r["history"], target)) is not None]
             entry: dict[str, Any] = {"reached": len(hits)}
             for unit in ("seconds", "epoch"):
                 values = [h[unit] for h in hits]
                 entry[unit] = statistics.fmean(values) if values else None
                 entry[f"{unit}_range"] = [min(values), max(values)] if values else None
-            row[f"{target:g}"] = entry
+            row[target.key] = entry
         rows.append(row)
     return rows
 
 
-def markdown(rows: list[dict[str, Any]], targets: list[float]) -> str:
+def markdown(rows: list[dict[str, Any]], given: Sequence[float | Target]) -> str:
     """The table of ``tta.md``: a K-FAC row's seconds also as a ratio to the fastest first-order optimizer."""
-    head = "| optimizer (chosen point) | final val acc | ms/step (mean) |"
-    head += "".join(f" to {t:.0%}: s (range) | epochs |" for t in targets)
-    lines = [head, "|" + "---|" * (3 + 2 * len(targets))]
+    targets = targets_of(given)
+    losses = any(t.loss for t in targets)  # a final loss column beside the accuracy
+    head = "| optimizer (chosen point) | final val acc |" + (" final val loss |" if losses else "")
+    head += " ms/step (mean) |"
+    head += "".join(f" to {t.label}: s (range) | epochs |" for t in targets)
+    lines = [head, "|" + "---|" * (3 + losses + 2 * len(targets))]
     fastest = {}  # per target: the fewest mean seconds of a first-order optimizer whose every seed reached it
     for target in targets:
-        key = f"{target:g}"
+        key = target.key
         times = [r[key]["seconds"] for r in rows if r["optimizer"] in FIRST_ORDER and r[key]["reached"] == r["seeds"]]
         fastest[target] = min(times) if times else None
     for row in rows:
         acc = row["final_acc_mean"]
         stopped = f" ({row['stopped']} stopped at the target)" if row.get("stopped") else ""
         cells = [f"{row['optimizer']} ({' '.join(row['point']) or 'recipe'})", f"{acc:.3f}{stopped}"]
+        if losses:
+            cells.append("-" if row.get("final_loss_mean") is None else f"{row['final_loss_mean']:.3f}")
         cells.append(f"{row['step_ms']:.1f}")
         for target in targets:
-            entry = row[f"{target:g}"]
+            entry = row[target.key]
             if not entry["reached"]:
                 cells += [f"not in {row['budget_seconds']:.0f} s ({_seeds(row['seeds'])})", "-"]
                 continue
@@ -260,30 +308,37 @@ def _s(seconds: float) -> str:
     return f"{seconds:.1f}" if seconds < 100 else f"{seconds:.0f}"
 
 
-def picture(chosen: dict[str, list[dict[str, Any]]], targets: list[float], path: Path, title: str) -> None:
-    """Validation accuracy against training seconds and against epochs, the mean over seeds of each optimizer."""
+def picture(chosen: dict[str, list[dict[str, Any]]], given: Sequence[float | Target], path: Path, title: str) -> None:
+    """Validation accuracy (with loss targets: loss) against training seconds and against epochs, the mean over
+    seeds of each optimizer."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    loss = any(t.loss for t in targets_of(given))
+    targets = [t.value for t in targets_of(given) if t.loss == loss]
+    metric = "val_loss" if loss else "val_acc"
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for name, runs in chosen.items():
         n = min(len(r["history"]) for r in runs)  # the same evaluations in every seed's run
         label = f"{name} ({_seeds(len(runs))}{_budget(runs[0])})"
         for ax, unit in zip(axes, ("seconds", "epoch"), strict=True):
             x = [statistics.fmean(r["history"][i][unit] for r in runs) for i in range(n)]
-            y = [statistics.fmean(r["history"][i]["val_acc"] for r in runs) for i in range(n)]
+            y = [statistics.fmean(r["history"][i][metric] for r in runs) for i in range(n)]
             ax.plot(x, y, marker=".", label=label)
-    low = min(min(h["val_acc"] for h in r["history"]) for runs in chosen.values() for r in runs)
+    values = [h[metric] for runs in chosen.values() for r in runs for h in r["history"]]
     for ax, unit in zip(axes, ("training seconds", "epochs"), strict=True):
         for target in targets:
             ax.axhline(target, color="grey", lw=0.6, ls="--")
         ax.set_xlabel(unit)
-        ax.set_ylim(max(low, min(targets) - 0.08), None)
+        if loss:  # the first evaluations' losses would squeeze the targets' part of the curves
+            ax.set_ylim(None, min(max(values), max(targets) + 1.0))
+        else:
+            ax.set_ylim(max(min(values), min(targets) - 0.08), None)
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("validation accuracy")
-    axes[0].legend(loc="lower right")
+    axes[0].set_ylabel("validation loss" if loss else "validation accuracy")
+    axes[0].legend(loc="upper right" if loss else "lower right")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -294,8 +349,11 @@ def main(argv: list[str] | None = None) -> int:
     """Sweep, choose, repeat over seeds, summarize."""
     args = parse(argv, __doc__.splitlines()[0], OPTIMIZERS, GRIDS)
     check_runs(args, OPTIMIZERS)
-    names, grids, seeds, targets, stop_at = args.names, args.grids, args.seeds, args.targets, args.stop_at
-    tail = f"_to{stop_at:g}" if stop_at else ""  # a stopped run is no full run to reuse, nor the other way
+    names, grids, seeds = args.names, args.grids, args.seeds
+    targets = [*targets_of(args.targets), *(Target(value, loss=True) for value in args.loss_targets)]
+    stop_at = [Target(args.stop_at)] if args.stop_at else []
+    stop_at += [Target(args.stop_at_loss, loss=True)] if args.stop_at_loss else []
+    tail = "".join(f"_to{t.key}" for t in stop_at)  # a stopped run is no full run to reuse, nor the other way
     everything: list[dict[str, Any]] = []
     diverged: list[dict[str, Any]] = []
     chosen: dict[str, list[dict[str, Any]]] = {}
@@ -311,10 +369,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {' '.join(point)}: diverged: {summary['diverged']}", flush=True)
                 continue
             sweep.append(record(name, point, seeds[0], summary))
-            print(f"  {' '.join(point)}: val acc {sweep[-1]['val_acc']:.4f}", flush=True)
+            loss = f", val loss {sweep[-1]['val_loss']:.4f}" if sweep[-1]["val_loss"] is not None else ""
+            print(f"  {' '.join(point)}: val acc {sweep[-1]['val_acc']:.4f}{loss}", flush=True)
         if not sweep:
             raise SystemExit(f"error: {name}: every point of its sweep diverged ({grids[name]})")
-        top = best(sweep, stop_at)
+        top = best(sweep, stop_at, loss=bool(args.loss_targets))
         chosen[name] = [top]
         for seed in seeds[1:]:
             folder = args.out / "runs" / name / point_name(top["point"]) / f"seed{seed}{tail}"
@@ -332,8 +391,10 @@ def main(argv: list[str] | None = None) -> int:
         "recipe": args.recipe,
         "epochs": args.epochs,
         "seeds": seeds,
-        "targets": targets,
-        "stop_at": stop_at or None,
+        "targets": args.targets,
+        "loss_targets": args.loss_targets,
+        "stop_at": args.stop_at or None,
+        "stop_at_loss": args.stop_at_loss or None,
         "cpus": os.cpu_count(),
         "grids": {n: grids[n] for n in names},
         "summary": rows,

@@ -25,6 +25,8 @@ CONTROLLED = {
     "train.steps": "every optimizer gets the same budget; use --epochs, or sweep it: --grid NAME=train.steps:N",
     "train.eval_every_steps": "the time to a target is read at these evaluations, alike in every run; use --eval-every",
     "train.stop_at_accuracy": "where runs stop decides the chosen point and the table; use --stop-at (the top target)",
+    "train.stop_at_loss": "where runs stop decides the chosen point and the table; use --stop-at (the lowest "
+    "--loss-targets)",
 }
 """Keys tools/tta.py sets on every run, and why a user's value is refused (only a grid may sweep ``train.steps``)."""
 DEFAULTS = ["train.progress=false", "train.save=false"]
@@ -51,8 +53,9 @@ def parse(
 ) -> argparse.Namespace:
     """Parse and check tools/tta.py's arguments and the user's overrides (see the module's docstring); create --out.
 
-    Besides the arguments, the result holds ``names`` (the optimizers, in order), ``grids`` (each one's grid)
-    and ``stop_at`` (the target runs stop at; 0: they do not).
+    Besides the arguments, the result holds ``names`` (the optimizers, in order), ``grids`` (each one's grid),
+    ``stop_at`` and ``stop_at_loss`` (the accuracy and the loss runs stop at; 0: they do not), ``targets``
+    in ascending and ``loss_targets`` in descending order (``--targets`` 0.9 where neither is given).
 
     Raises:
         SystemExit: One ``error:`` line naming the argument or override to change (argparse's usage error for a
@@ -71,9 +74,19 @@ def parse(
     parser.add_argument("--epochs", type=count(1, "4"), default=4)
     parser.add_argument("--seeds", type=listed(count(0, "0", high=2**63 - 1), "0,1,2"), default="0,1,2")
     parser.add_argument("--eval-every", type=count(1, "100"), default=100, help="steps between evaluations")
-    parser.add_argument("--targets", type=listed(number(0, "0.9", high=1), "0.88,0.9"), default="0.9")
+    parser.add_argument(
+        "--targets", type=listed(number(0, "0.9", high=1), "0.88,0.9"), default=None, help="accuracies (default 0.9)"
+    )
+    parser.add_argument(
+        "--loss-targets",
+        type=listed(number(0, "1.5"), "1.6,1.5"),
+        default=[],
+        help="validation losses to reach (at or below), e.g. a language model's; alone, they replace --targets",
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/tta"))
-    parser.add_argument("--stop-at", action="store_true", help="end each run once it reaches the highest target")
+    parser.add_argument(
+        "--stop-at", action="store_true", help="end each run once it reaches the highest target (and lowest loss)"
+    )
     args = parser.parse_intermixed_args(argv)  # overrides before or after the options, as in the README
     args.names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
     unknown = [n for n in args.names if n not in optimizers]
@@ -95,8 +108,11 @@ def parse(
             for fixed, why in CONTROLLED.items():
                 if fixed != "train.steps" and _overlap(axis, fixed):
                     raise SystemExit(f"error: --grid {name}={grid}: tools/tta.py sets {fixed} itself: {why}")
-    args.targets = sorted(args.targets)
-    args.stop_at = args.targets[-1] if args.stop_at else 0.0
+    args.targets = sorted(args.targets if args.targets is not None else [] if args.loss_targets else [0.9])
+    args.loss_targets = sorted(args.loss_targets, reverse=True)  # the easiest first, as accuracies go
+    stop = args.stop_at
+    args.stop_at = args.targets[-1] if stop and args.targets else 0.0
+    args.stop_at_loss = args.loss_targets[-1] if stop and args.loss_targets else 0.0
     refuse(args.overrides, args.names, optimizers, args.grids)
     out_folder(args.out, "--out")
     return args
@@ -145,6 +161,8 @@ def run_overrides(args: argparse.Namespace, preset: list[str], point: list[str],
     fixed = [f"train.epochs={args.epochs}", "train.steps=0", f"train.eval_every_steps={args.eval_every}"]
     if args.stop_at:
         fixed.append(f"train.stop_at_accuracy={args.stop_at}")
+    if args.stop_at_loss:
+        fixed.append(f"train.stop_at_loss={args.stop_at_loss}")
     return [*preset, *DEFAULTS, *args.overrides, *fixed, *point, f"train.seed={seed}"]
 
 

@@ -19,10 +19,12 @@ class ModelConfig:
     name: str = "digits_cnn"
     """A registry name (`--list model`): built-ins, any torchvision classifier, or ``timm/<name>``."""
     kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of the model's factory, e.g. ``model.kwargs.img_size=32`` for a timm ViT: timm's
-    ``create_model``, torchvision's builder, or your ``module.path:factory`` (after ``num_classes, in_channels``).
-    The built-ins take none; the classes, the channels and ``pretrained``/``weights`` are not given here (they come
-    from the data; nothing is downloaded). An argument the factory does not take is refused, naming what it takes."""
+    """Keyword arguments of the model's factory, e.g. ``model.kwargs.patch_size=4`` for the built-in ``vit``,
+    ``model.kwargs.n_layer=6`` for ``gpt``, or ``model.kwargs.img_size=32`` for a timm ViT: timm's ``create_model``,
+    torchvision's builder, or your ``module.path:factory`` (after ``num_classes, in_channels``). The other built-ins
+    take none; the classes, the channels, ``vit``'s image size and ``pretrained``/``weights`` are not given here
+    (they come from the data; nothing is downloaded). An argument the factory does not take is refused, naming
+    what it takes."""
 
 
 @dataclass
@@ -32,7 +34,8 @@ class DataConfig:
     name: str = "digits"
     """A registry name (`--list dataset`)."""
     root: Optional[str] = None
-    """Local folder for datasets read from disk (cifar10, imagefolder). Never downloaded."""
+    """Local folder for datasets read from disk (cifar10, fashion_mnist, imagefolder; text_files' folder of text
+    files). Never downloaded."""
     image_size: int = field(default=0, metadata=at_least(0, "0 keeps the dataset's own size"))
     """Side of the square input image; 0 keeps the dataset's own (digits 8, cifar10 32, synthetic 224)."""
     batch_size: int = field(default=32, metadata=at_least(1, "samples per worker per step"))
@@ -47,8 +50,16 @@ class DataConfig:
     """Training samples of the synthetic dataset."""
     val_size: int = field(default=256, metadata=at_least(1))
     """Validation samples of the synthetic dataset."""
-    augment: bool = True
-    """Random crops and flips on training images (cifar10, imagefolder)."""
+    augment: Optional[bool] = None
+    """Random crops and flips on training images (cifar10, fashion_mnist, imagefolder); empty (the default) is
+    ``true`` for them and for your own ``module.path:factory``. Text has no augmentation: with a text set
+    (python_source, text_files) ``true`` is refused."""
+    text_bytes: int = field(default=2_000_000, metadata=at_least(0, "0 reads the whole corpus"))
+    """Bytes of a text corpus read (python_source, text_files): the first nine tenths of them from the training
+    files, the last tenth from the validation files, each in sorted path order; 0 reads every file whole."""
+    seq_len: int = field(default=128, metadata=at_least(1, "tokens per window"))
+    """Tokens (bytes) per window of a text set: each sample is ``seq_len`` bytes and the ``seq_len`` bytes that
+    follow each of them; the model's context (``model.kwargs.seq_len`` of ``gpt``) must be at least as long."""
     workers: int = field(
         default=0,
         metadata=within(
@@ -83,6 +94,10 @@ class TrainConfig:
     stop_at_accuracy: float = field(default=0.0, metadata=within(0, 1, "0 is off"))
     """End the run at the first evaluation whose validation accuracy is at least this (time to accuracy: the
     learning-rate schedule stays the whole run's, so the steps up to there are the full run's)."""
+    stop_at_loss: float = field(default=0.0, metadata=at_least(0, "0 is off"))
+    """End the run at the first evaluation whose validation loss (mean cross-entropy per sample, or per token for
+    a language model) is at most this, as ``stop_at_accuracy`` does; with both set, at the first evaluation that
+    reaches both."""
     checkpoint_every: int = field(default=0, metadata=at_least(0, "0 checkpoints at the end of each epoch only"))
     """Steps between checkpoints; 0 checkpoints at the end of each epoch only."""
     keep_checkpoints: int = field(default=2, metadata=at_least(0, "0 keeps every checkpoint"))

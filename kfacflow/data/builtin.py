@@ -183,7 +183,7 @@ def _fashion_mnist(cfg: DataConfig) -> tuple[Dataset, Dataset, DataInfo]:
     for part in ("train", "val"):
         x = torch.from_numpy(split[f"{part}_images"].copy()).unsqueeze(1)
         y = torch.from_numpy(split[f"{part}_labels"].astype(np.int64))
-        if part == "train" and cfg.augment:
+        if part == "train" and cfg.augment is not False:  # empty (the default) augments
             from torchvision.transforms import v2
 
             tail = [] if size == 28 else [v2.Resize((size, size), antialias=True)]
@@ -300,7 +300,7 @@ def _cifar10(cfg: DataConfig) -> tuple[Dataset, Dataset, DataInfo]:
     size = cfg.image_size or 32
     tail: list[Callable[..., object]] = [] if size == 32 else [v2.Resize((size, size), antialias=True)]
     tail += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(CIFAR_MEAN, CIFAR_STD), v2.ToPureTensor()]
-    aug = [v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip()] if cfg.augment else []
+    aug = [v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip()] if cfg.augment is not False else []
     train_tf, val_tf = v2.Compose([*aug, *tail]), v2.Compose(tail)
     x_tr, y_tr = _read_cifar(folder, CIFAR_TRAIN_FILES, cfg.root)
     x_te, y_te = _read_cifar(folder, ("test_batch",), cfg.root)
@@ -381,7 +381,7 @@ def _imagefolder(cfg: DataConfig) -> tuple[Dataset, Dataset, DataInfo]:
         v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
         v2.ToPureTensor(),
     ]
-    if cfg.augment:
+    if cfg.augment is not False:
         head: list[Callable[..., object]] = [v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip()]
     else:
         head = [v2.Resize(size, antialias=True), v2.CenterCrop(size)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from collections.abc import Callable
@@ -10,6 +11,7 @@ from torch.utils.data import Dataset
 
 from kfacflow import UserError
 from kfacflow.configuration.schema import DataConfig
+from kfacflow.data import text  # noqa: F401 - registers the text sets beside the built-in image ones
 from kfacflow.data.builtin import CHECKS
 from kfacflow.data.checks import DataInfo, check_sets
 from kfacflow.registry import DATASETS
@@ -65,7 +67,8 @@ def build_datasets(cfg: DataConfig) -> tuple[Dataset, Dataset, DataInfo]:
         cfg: The ``data`` section of the recipe.
 
     Returns:
-        ``(train, val, info)``; samples are ``(float32 CxHxW tensor, int64 label)``.
+        ``(train, val, info)``; samples are ``(float32 CxHxW tensor, int64 label)``, or for a text set
+        ``(int64 tensor of data.seq_len token ids, int64 tensor of the next ones)``.
 
     Raises:
         UserError: As :func:`check_data`.
@@ -73,6 +76,9 @@ def build_datasets(cfg: DataConfig) -> tuple[Dataset, Dataset, DataInfo]:
     check_data(cfg)
     builder: Builder = DATASETS.get(cfg.name)  # type: ignore[assignment]
     own = ":" in cfg.name  # the user's module.path:factory
+    if own and cfg.augment is None:  # the user's factory reads true, as it did before the key could be empty
+        cfg = copy.copy(cfg)
+        cfg.augment = True
     built = call_factory(DATASETS.key, cfg.name, builder, "factory(data_cfg)", cfg) if own else builder(cfg)
     if not (isinstance(built, tuple) and len(built) == 3 and isinstance(built[2], DataInfo)):
         raise UserError(

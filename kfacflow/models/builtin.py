@@ -17,10 +17,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from kfacflow import UserError, did_you_mean
+from kfacflow.models import gpt
+from kfacflow.models.cnns import CifarResNet, DigitsCNN
+from kfacflow.models.vit import ViT
 from kfacflow.registry import MODELS
 from kfacflow.usercode import call_factory, first_line
 
@@ -31,9 +33,13 @@ FROM_DATA = {"num_classes": "data's classes", "in_chans": "data's channels", "in
 """Factory arguments kfacflow gives from the data (``model.kwargs`` may not)."""
 DOWNLOADS = ("pretrained", "weights")
 """Factory arguments that would fetch weights: models are built randomly initialised, and nothing is downloaded."""
+DATA_SIZE = "image_size"
+"""The argument by which kfacflow gives its own models (a built-in whose factory takes it) the data's image side."""
 
 
-def build_model(name: str, num_classes: int, in_channels: int, kwargs: Mapping[str, Any] | None = None) -> nn.Module:
+def build_model(
+    name: str, num_classes: int, in_channels: int, kwargs: Mapping[str, Any] | None = None, image_size: int = 0
+) -> nn.Module:
     """Build the network registered under ``name``, randomly initialised (never pretrained).
 
     Args:
@@ -41,6 +47,7 @@ def build_model(name: str, num_classes: int, in_channels: int, kwargs: Mapping[s
         num_classes: Outputs of the classification head.
         in_channels: Channels of the input images.
         kwargs: ``model.kwargs``: more keyword arguments of its factory.
+        image_size: Side of the data's images, for a built-in that is made for one size (``vit``); 0: its default.
 
     Returns:
         The model, on CPU, in float32.
@@ -63,7 +70,8 @@ def build_model(name: str, num_classes: int, in_channels: int, kwargs: Mapping[s
         )
         model = call_factory(MODELS.key, name, given, signature, num_classes, in_channels)
     else:
-        model = builder(num_classes, in_channels, **kwargs)
+        sized = {DATA_SIZE: image_size} if image_size and factory_of(name).sized else {}
+        model = builder(num_classes, in_channels, **sized, **kwargs)
     if not isinstance(model, nn.Module):  # a user's factory (module.path:factory) may return anything
         raise UserError(f"model.name={name!r} returned {type(model).__name__}, not a torch.nn.Module.")
     if not any(p.requires_grad for p in model.parameters()):  # the optimizer and DDP would refuse it
@@ -116,6 +124,8 @@ class Factory:
     takes: tuple[str, ...] | None
     """Its keyword arguments, in order; ``None``: any that its parameters' ``**kwargs`` passes on (the model's
     build says)."""
+    sized: bool = False
+    """Whether kfacflow gives it the data's image size (:data:`DATA_SIZE`): a built-in made for one size."""
 
 
 def factory_of(name: str) -> Factory:
@@ -130,7 +140,8 @@ def factory_of(name: str) -> Factory:
         return _of_class("torchvision", _returned(entry), _named(entry))
     if ":" in name:
         return _of_function(name, MODELS.get(name))
-    return Factory(f"kfacflow's {name}", ())
+    own = _named(MODELS.get(name), skip=2)
+    return Factory(f"kfacflow's {name}", tuple(n for n in own if n != DATA_SIZE), sized=DATA_SIZE in own)
 
 
 def _library_entry(name: str) -> Callable[..., Any] | None:
@@ -198,6 +209,11 @@ def check_kwargs(name: str, kwargs: Mapping[str, Any]) -> None:
                 f"model.kwargs.{key}: models are built randomly initialised and nothing is downloaded; remove it."
             )
     factory = factory_of(name) if kwargs else None
+    if factory is not None and factory.sized and DATA_SIZE in kwargs:
+        raise UserError(
+            f"model.kwargs.{DATA_SIZE}: kfacflow builds model.name={name} for the data's image size; remove it "
+            "(data.image_size resizes the images)."
+        )
     if factory is None or factory.takes is None:
         return
     for key in kwargs:
@@ -205,7 +221,7 @@ def check_kwargs(name: str, kwargs: Mapping[str, Any]) -> None:
             takes = (
                 f"It takes: {', '.join(factory.takes)}."
                 if factory.takes
-                else "It takes none: model.kwargs is for timm/<name>, torchvision and module.path:factory models."
+                else "It takes none: model.kwargs is for vit, gpt, timm/<name>, torchvision and module.path:factory."
             )
             raise UserError(
                 f"model.kwargs.{key}: model.name={name} ({factory.what}) takes no argument {key!r}."
@@ -256,93 +272,6 @@ def _what_takes(name: str, raiser: str) -> str:
     return f" {raiser} takes: {', '.join(takes)}." if takes else ""
 
 
-class DigitsCNN(nn.Module):
-    """A small CNN for 8x8 digits; no BatchNorm or dropout, so multi-worker runs equal one worker exactly.
-
-    Args:
-        num_classes: Outputs of the head.
-        in_channels: Input image channels.
-    """
-
-    def __init__(self, num_classes: int = 10, in_channels: int = 1) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(in_channels, 16, 3, padding=1)
-        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
-        self.pool = nn.MaxPool2d(2)
-        # Keeps the head's input fixed at 32*4*4 whatever data.image_size is.
-        self.squeeze = nn.AdaptiveAvgPool2d(4)
-        self.fc1 = nn.Linear(32 * 4 * 4, 64)
-        self.fc2 = nn.Linear(64, num_classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Return logits of shape ``(N, num_classes)``."""
-        x = torch.relu(self.conv1(x))
-        x = self.pool(torch.relu(self.conv2(x)))
-        x = torch.flatten(self.squeeze(x), 1)
-        return self.fc2(torch.relu(self.fc1(x)))
-
-
-class BasicBlock(nn.Module):
-    """Two 3x3 convolutions with BatchNorm and a shortcut (1x1 conv + BN projection when shapes change).
-
-    Args:
-        inp: Input channels.
-        out: Output channels.
-        stride: Stride of the first convolution (and of the projection).
-    """
-
-    def __init__(self, inp: int, out: int, stride: int = 1) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(inp, out, 3, stride=stride, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(out)
-        self.conv2 = nn.Conv2d(out, out, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(out)
-        self.shortcut: nn.Module = nn.Identity()
-        if stride != 1 or inp != out:
-            self.shortcut = nn.Sequential(nn.Conv2d(inp, out, 1, stride=stride, bias=False), nn.BatchNorm2d(out))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Return ``relu(F(x) + shortcut(x))``."""
-        y = torch.relu(self.bn1(self.conv1(x)))
-        y = self.bn2(self.conv2(y))
-        return torch.relu(y + self.shortcut(x))
-
-
-class CifarResNet(nn.Module):
-    """CIFAR-style ResNet (He et al. 2016, section 4.2): 3 stages of 16/32/64 channels, ``6n+2`` layers.
-
-    Args:
-        n: Basic blocks per stage (3 gives ResNet-20, 5 gives ResNet-32).
-        num_classes: Outputs of the head.
-        in_channels: Input image channels.
-    """
-
-    def __init__(self, n: int, num_classes: int = 10, in_channels: int = 3) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(in_channels, 16, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(16)
-        layers: list[nn.Module] = []
-        inp = 16
-        for stage, width in enumerate((16, 32, 64)):
-            blocks = []
-            for i in range(n):
-                blocks.append(BasicBlock(inp, width, stride=2 if stage > 0 and i == 0 else 1))
-                inp = width
-            layers.append(nn.Sequential(*blocks))
-        self.layer1, self.layer2, self.layer3 = layers
-        self.pool = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(64, num_classes)
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Return logits of shape ``(N, num_classes)``."""
-        x = torch.relu(self.bn1(self.conv1(x)))
-        x = self.layer3(self.layer2(self.layer1(x)))
-        return self.fc(torch.flatten(self.pool(x), 1))
-
-
 @MODELS.register("digits_cnn", "small CNN for 8x8 digits, no BatchNorm (exact multi-worker equality)")
 def _digits_cnn(num_classes: int, in_channels: int) -> nn.Module:
     return DigitsCNN(num_classes, in_channels)
@@ -356,6 +285,11 @@ def _resnet20(num_classes: int, in_channels: int) -> nn.Module:
 @MODELS.register("resnet32", "CIFAR ResNet-32 (5x3 basic blocks, 16/32/64 channels)")
 def _resnet32(num_classes: int, in_channels: int) -> nn.Module:
     return CifarResNet(5, num_classes, in_channels)
+
+
+# The class itself: its parameters are the model.kwargs it takes (patch_size, dim, depth, heads, mlp_ratio, dropout).
+MODELS.add("vit", ViT, "small Vision Transformer for the data's image size (patch conv, pre-norm blocks, mean pooling)")
+MODELS.add("gpt", gpt.build, "GPT-style byte-level language model (text data; model.kwargs n_layer, d_model, ...)")
 
 
 def _torchvision(name: str, num_classes: int, in_channels: int, **kwargs: Any) -> nn.Module:

@@ -1,4 +1,6 @@
-"""Whether the model can take the data's images: one forward pass of two blank images when it is built.
+"""Whether the model can take the data, and what of it K-FAC leaves to the optimizer alone.
+
+The data: one forward pass of two blank images (or token windows) when the model is built.
 
 Models check their input in their own ways: a convolution that runs out of pixels raises a
 ``RuntimeError``, a ViT's patch embedding an ``AssertionError`` (timm's ``_assert``, torch's
@@ -8,8 +10,10 @@ hooks it, finds every kind in the same place and says what to change, in one lin
 
 from __future__ import annotations
 
+import logging
+import re
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +23,8 @@ from torch import nn
 from kfacflow import UserError
 from kfacflow.models.builtin import factory_of
 from kfacflow.usercode import first_line
+
+logger = logging.getLogger(__name__)
 
 HOOKS = Path(__file__).resolve().parents[1] / "kfac"
 """K-FAC's own code: an error raised there is a bug of kfacflow's, whose traceback is kept."""
@@ -45,6 +51,11 @@ def check_input(model: nn.Module, name: str, kwargs: Mapping[str, Any], channels
     Raises:
         UserError: The model cannot take them, naming ``data.image_size`` and ``model.kwargs`` where it takes a size.
     """
+    if getattr(model, "takes_tokens", False):
+        raise UserError(
+            f"model.name={name} is a language model: it takes token ids, not the data's {channels}x{size}x{size} "
+            "images; give it a text data set (data.name=python_source or text_files), or choose an image model."
+        )
     first = next(model.parameters())
     x = torch.zeros(TRIAL, channels, size, size, dtype=first.dtype, device=first.device)
     if nhwc:
@@ -61,6 +72,42 @@ def check_input(model: nn.Module, name: str, kwargs: Mapping[str, Any], channels
         ) from None
     finally:
         model.train(training)
+
+
+def check_tokens(model: nn.Module, name: str, kwargs: Mapping[str, Any], vocab: int, seq_len: int) -> None:
+    """Run ``model`` once on two windows of ``seq_len`` token ids (eval mode, no gradients), as :func:`check_input`.
+
+    Its logits must be ``(batch, seq_len, vocab)``: one per position, as the loss over every position takes them.
+
+    Raises:
+        UserError: The model cannot take the windows, naming ``data.seq_len`` and the model's context argument
+            where it has one, or it returns another shape.
+    """
+    first = next(model.parameters())
+    x = torch.zeros(TRIAL, seq_len, dtype=torch.int64, device=first.device)
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(x)
+    except (AssertionError, RuntimeError, ValueError, IndexError, TypeError) as err:
+        takes = "seq_len" in kwargs or "seq_len" in (factory_of(name).takes or ())
+        fix = f"set model.kwargs.seq_len={seq_len} or lower data.seq_len" if takes else "lower data.seq_len"
+        if not getattr(model, "takes_tokens", False):  # perhaps an image model: token ids are no images
+            fix += ", or choose a language model (model.name=gpt)"
+        raise UserError(
+            f"model.name={name} cannot take the data's windows of {seq_len} tokens (data.seq_len={seq_len}): "
+            f"{first_line(err).rstrip('.')}; {fix}."
+        ) from None
+    finally:
+        model.train(training)
+    want = (TRIAL, seq_len, vocab)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
+        got = f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else f"a {type(out).__name__}"
+        raise UserError(
+            f"model.name={name} returns {got} for {TRIAL} windows of {seq_len} tokens, not the {want} of a language "
+            f"model (a logit per position over the vocabulary of {vocab}); the loss takes every position's."
+        )
 
 
 def _fix(model: nn.Module, name: str, kwargs: Mapping[str, Any], size: int) -> str:
@@ -108,3 +155,21 @@ def explained(err: Exception, name: str, data: str, first: bool) -> Exception:
         f"model.name={name} cannot run on this data ({data}): {message}. Raise data.image_size, or choose a model "
         "made for this input size (e.g. resnet20 for 32 px)."
     )
+
+
+def log_left_out(model: nn.Module, preconditioned: Iterable[torch.Tensor]) -> list[str]:
+    """Log, in one INFO line, the trained parameters outside K-FAC's layers (norms, embeddings, tokens).
+
+    K-FAC's own log names the Linear and Conv2d modules it skips; the parameters of other modules, and
+    those a model holds itself (a position embedding, a class token), are the optimizer's alone too.
+    Repeated blocks are named once, their indices as ``*`` (``blocks.*.norm1.weight``).
+
+    Returns:
+        The names logged, in the model's order.
+    """
+    held = {id(p) for p in preconditioned}
+    names = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+    left = list(dict.fromkeys(re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", n) for n in names))
+    if left:
+        logger.info("K-FAC leaves %d parameter tensors to the optimizer alone: %s", len(names), ", ".join(left))
+    return left

@@ -34,7 +34,7 @@ from kfacflow.kfac.strategies import contracts as strategies
 from kfacflow.kfac.strategies.contracts import StageSet
 from kfacflow.kfac.variants import Stages, resolve
 from kfacflow.models.builtin import build_model, check_kwargs, check_name
-from kfacflow.models.checks import check_input
+from kfacflow.models.checks import check_input, check_tokens, log_left_out
 from kfacflow.optim.optimizers import build_optimizer, build_scheduler
 from kfacflow.perf import Profile
 from kfacflow.running.resume import check_meta, check_model
@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 PLUGINS = (
     "kfacflow.data.builtin",
+    "kfacflow.data.text",
     "kfacflow.models.builtin",
     "kfacflow.optim.optimizers",
     "kfacflow.comm.torch_dist",
@@ -276,7 +277,9 @@ def preconditioner(
     check_device(names, backend.device)
     planning = profile.for_method(names.inverse) if profile is not None else None
     built = stages(cfg, names, profile)
-    return Preconditioner(model, cfg, built, backend, planning, timer, accumulate, batch_dim)
+    kfac = Preconditioner(model, cfg, built, backend, planning, timer, accumulate, batch_dim)
+    log_left_out(model, (p for layer in kfac.layers for p in layer.params))
+    return kfac
 
 
 def profile(cfg: DictConfig, backend: Backend, run_dir: Path, dtype: torch.dtype) -> Profile:
@@ -345,11 +348,15 @@ def training(cfg: DictConfig, backend: Backend, run_dir: Path, timer: StepTimer)
     check_shard(len(train_set), world, cfg.data.batch_size, accumulate)  # type: ignore[arg-type]
     seed_all(cfg.train.seed)  # identical initial weights on every rank
     kwargs: dict[str, Any] = OmegaConf.to_container(cfg.model.kwargs)  # type: ignore[assignment]  # a str-keyed map
-    model = build_model(cfg.model.name, info.num_classes, info.channels, kwargs).to(backend.device, dtype)
+    model = build_model(cfg.model.name, info.num_classes, info.channels, kwargs, info.image_size)
+    model = model.to(backend.device, dtype)
     if cfg.train.channels_last:  # the trainer sends the images in the same format
         model = model.to(memory_format=torch.channels_last)
     # before cuDNN's benchmark mode, which would time its algorithms for the trial's shape too
-    check_input(model, cfg.model.name, kwargs, info.channels, info.image_size, cfg.train.channels_last)
+    if info.tokens:
+        check_tokens(model, cfg.model.name, kwargs, info.num_classes, info.seq_len)
+    else:
+        check_input(model, cfg.model.name, kwargs, info.channels, info.image_size, cfg.train.channels_last)
     if backend.device.type == "cuda":
         torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
     names = resolve(cfg.kfac)

@@ -6,9 +6,10 @@ checkpoint, so that a resumed run's figures are the uninterrupted run's: the tra
 the last epoch, the loss since the last training row, skipped steps, repaired tensors, the
 training and wall seconds, the step times and the peak device memory.
 
-``train.stop_at_accuracy`` stops a run only when an evaluation reaches it before the run's last
-step; reached at the last step, the run finished its budget, and ``summary.json`` says when the
-target was reached (``target_reached``) without calling it a stop (``stopped_at_accuracy``).
+``train.stop_at_accuracy`` (and ``train.stop_at_loss``) stops a run only when an evaluation reaches it
+before the run's last step; reached at the last step, the run finished its budget, and ``summary.json``
+says when the target was reached (``target_reached``) without calling it a stop (``stopped_at_accuracy``,
+``stopped_at_loss``).
 """
 
 from __future__ import annotations
@@ -28,19 +29,19 @@ class RunRecords:
     """What the run has done so far, over every process of it.
 
     Args:
-        target: ``train.stop_at_accuracy`` (0: none).
-        warmup: Timed steps the step-time figures leave out (``train.timing_warmup``).
+        train: The recipe's ``train`` section: its targets (``stop_at_accuracy``, ``stop_at_loss``; 0: none) and
+            the timed steps the step-time figures leave out (``timing_warmup``).
         device: The training device (on CUDA its peak memory is recorded).
     """
 
-    def __init__(self, target: float, warmup: int, device: torch.device) -> None:
-        self.target, self.device = target, device
+    def __init__(self, train: Any, device: torch.device) -> None:
+        self.target, self.loss_target, self.device = train.stop_at_accuracy, train.stop_at_loss, device
         self.history: list[dict[str, float]] = []
         self.interval = torch.zeros(3, dtype=torch.float64)
         """Loss sum, correct predictions and samples over every rank since the last training row."""
         self.epoch = torch.zeros(3, dtype=torch.float64)
         """The same over the current epoch; after its last step, over that epoch (``train_loss``)."""
-        self.times = StepTimes(warmup)
+        self.times = StepTimes(train.timing_warmup)
         self.skipped_steps = 0
         self.repaired = 0
         """Parameter tensors found to differ from rank 0's and restored (see kfacflow.running.consistency)."""
@@ -99,10 +100,21 @@ class RunRecords:
 
     @property
     def reached(self) -> dict[str, float] | None:
-        """The first evaluation that reached ``train.stop_at_accuracy``, or None (every rank holds the same history)."""
-        if self.target <= 0:
+        """The first evaluation that reached every target set, or None (every rank holds the same history)."""
+        if self.target <= 0 and self.loss_target <= 0:
             return None
-        return next((record for record in self.history if record["val_acc"] >= self.target), None)
+        return next((record for record in self.history if self._meets(record)), None)
+
+    def _meets(self, record: dict[str, float]) -> bool:
+        acc = self.target <= 0 or record["val_acc"] >= self.target
+        return acc and (self.loss_target <= 0 or record["val_loss"] <= self.loss_target)
+
+    def when(self, record: dict[str, float]) -> dict[str, float]:
+        """What ``target_reached`` says of ``record``: the targets, when, and the figures that reached them."""
+        found = {"target": self.target, "val_acc": record["val_acc"]} if self.target > 0 else {}
+        if self.loss_target > 0:
+            found |= {"loss_target": self.loss_target, "val_loss": record["val_loss"]}
+        return found | {k: record[k] for k in ("step", "epoch", "seconds")}
 
     # --- checkpoints ------------------------------------------------------------------------------
 
@@ -141,10 +153,12 @@ class RunRecords:
         cfg = trainer.cfg
         last = self.history[-1] if self.history else {"val_loss": None, "val_acc": None}
         hit = self.reached
+        stopped = hit is not None and trainer.step < trainer.total
         return {
             "train_loss": float(self.epoch[0] / self.epoch[2]) if self.epoch[2] > 0 else None,
             "val_loss": last["val_loss"],
             "val_acc": last["val_acc"],
+            **({"val_ppl": last["val_ppl"]} if "val_ppl" in last else {}),  # a language model's perplexity
             **({k: last.get(k) for k in ("val_loss_ema", "val_acc_ema")} if cfg.train.ema > 0 else {}),
             "steps": trainer.step,
             "epochs": trainer.step / trainer.steps_per_epoch,
@@ -160,27 +174,27 @@ class RunRecords:
             "repaired_params": self.repaired,
             "stopped_by": signal.Signals(trainer.stopped_by).name if trainer.stopped_by else None,
             # A stop is training left undone: a target first reached at the last step ended nothing early.
-            "stopped_at_accuracy": self.target if hit is not None and trainer.step < trainer.total else None,
-            "target_reached": None if hit is None else {"target": self.target, **_when(hit)},
+            "stopped_at_accuracy": self.target if stopped and self.target > 0 else None,
+            "stopped_at_loss": self.loss_target if stopped and self.loss_target > 0 else None,
+            "target_reached": None if hit is None else self.when(hit),
             "peak_gpu_memory_bytes": self.peak_memory,
         }
 
 
-def _when(record: dict[str, float]) -> dict[str, float]:
-    return {k: record[k] for k in ("step", "epoch", "seconds", "val_acc")}
+def _targets(hit: dict[str, float]) -> str:
+    """The keys of the targets ``target_reached`` names, with their values: ``train.stop_at_accuracy=0.9``."""
+    keys = (("target", "train.stop_at_accuracy"), ("loss_target", "train.stop_at_loss"))
+    return " and ".join(f"{key}={hit[name]:g}" for name, key in keys if name in hit)
 
 
 def target_line(summary: dict[str, Any], total: int) -> str | None:
-    """Return the log line about ``train.stop_at_accuracy`` at the end of a run, or None if it was not reached."""
+    """Return the log line about ``train.stop_at_accuracy`` or ``stop_at_loss`` at the end of a run, or None."""
     hit = summary["target_reached"]
     if hit is None:
         return None
-    if summary["stopped_at_accuracy"] is not None:
-        return f"train.stop_at_accuracy={hit['target']:g} reached: stopped at step {summary['steps']} of {total}"
-    return (
-        f"train.stop_at_accuracy={hit['target']:g} reached at step {hit['step']}, the run's last: "
-        "it finished its budget (no stop)"
-    )
+    if summary["stopped_at_accuracy"] is not None or summary.get("stopped_at_loss") is not None:
+        return f"{_targets(hit)} reached: stopped at step {summary['steps']} of {total}"
+    return f"{_targets(hit)} reached at step {hit['step']}, the run's last: it finished its budget (no stop)"
 
 
 def finished_line(trainer: Any, run_dir: object, command: str) -> str:
@@ -196,12 +210,14 @@ def finished_line(trainer: Any, run_dir: object, command: str) -> str:
     raise_it = "raise train.steps or train.epochs"
     where = f"finished at step {trainer.step} of {trainer.total}"
     if hit is not None:
-        target = f"train.stop_at_accuracy={cfg.train.stop_at_accuracy:g}"
-        reached = f"reached {target} at step {hit['step']} (val_acc {hit['val_acc']:.4f})"
+        found = f"val_acc {hit['val_acc']:.4f}" if cfg.train.stop_at_accuracy > 0 else f"val_loss {hit['val_loss']:.4f}"
+        reached = f"reached {_targets(trainer.records.when(hit))} at step {hit['step']} ({found})"
         if trainer.step < trainer.total:
             where, raise_it, more = f"stopped at step {trainer.step} of {trainer.total}: it {reached}", "", []
         else:
             where, raise_it = f"{where} and {reached}", f"{raise_it}, and"
-        raise_it += " raise train.stop_at_accuracy (0 turns it off)"
-        more.append("train.stop_at_accuracy=0")
+        keys = [k for k in ("stop_at_accuracy", "stop_at_loss") if getattr(cfg.train, k) > 0]
+        change = {"stop_at_accuracy": "raise train.stop_at_accuracy", "stop_at_loss": "lower train.stop_at_loss"}
+        raise_it += f" {' and '.join(change[k] for k in keys)} (0 turns it off)"
+        more += [f"train.{k}=0" for k in keys]
     return f"resume: {run_dir} {where}; nothing to do. To train on, {raise_it.strip()}, e.g. {command} {' '.join(more)}"

@@ -20,7 +20,16 @@ from kfacflow import UserError
 from kfacflow.kfac.variants import resolve
 from kfacflow.running import rundir
 
-MUST_MATCH = ("model.name", "data.name", "data.num_classes", "data.channels", "data.batch_size", "train.accumulate")
+MUST_MATCH = (
+    "model.name",
+    "data.name",
+    "data.num_classes",
+    "data.channels",
+    "data.batch_size",
+    "data.seq_len",
+    "data.text_bytes",
+    "train.accumulate",
+)
 
 
 def checkpoint_meta(cfg: DictConfig, world_size: int, preconditioned: bool) -> dict[str, Any]:

@@ -76,6 +76,33 @@ def write_metadata(run_dir: Path, config_yaml: str, argv: list[str], resumed: bo
     write_atomic(run_dir / "versions.json", json.dumps(versions, indent=2).encode())
 
 
+DATA = "data.json"
+
+
+def write_data(run_dir: Path, identity: dict[str, Any]) -> None:
+    """Write what identifies the data the run reads (a text corpus: files, bytes, sha256) as ``data.json``.
+
+    A resumed run that reads other data (another Python's standard library) keeps the first file and says so.
+
+    Raises:
+        StorageError: If it cannot be written.
+    """
+    path = run_dir / DATA
+    if path.is_file():
+        try:
+            before = json.loads(path.read_text())
+        except (OSError, ValueError):
+            before = None
+        if before is not None and before != identity:
+            logger.warning(
+                "%s: this process reads other data than the run began with (%s); its results mix the two",
+                path,
+                json.dumps(identity.get("sha256", identity)),
+            )
+            return
+    write_atomic(path, json.dumps(identity, indent=2).encode())
+
+
 def git_commit() -> str | None:
     """Return the commit of the kfacflow checkout that runs (``+dirty`` with local changes), or None if not one."""
     source = Path(__file__).resolve().parents[2]

@@ -216,14 +216,18 @@ class RunLog:
             return
         self._evaluation_scalars(record)
         at = {"step": record["step"], "seconds": record["seconds"]}
-        self._metrics(at | {"kind": "val", "loss": record["val_loss"], "acc": record["val_acc"]})
-        if "val_acc_ema" in record:
-            self._metrics(at | {"kind": "val_ema", "loss": record["val_loss_ema"], "acc": record["val_acc_ema"]})
-        logger.info("epoch %g: val_loss %.4f val_acc %.4f", record["epoch"], record["val_loss"], record["val_acc"])
+        for suffix in ("", "_ema") if "val_acc_ema" in record else ("",):
+            row = {"kind": f"val{suffix}", "loss": record[f"val_loss{suffix}"], "acc": record[f"val_acc{suffix}"]}
+            if f"val_ppl{suffix}" in record:  # a language model's: in metrics.jsonl (metrics.csv keeps its columns)
+                row["ppl"] = record[f"val_ppl{suffix}"]
+            self._metrics(at | row)
+        ppl = f" val_ppl {record['val_ppl']:.3f}" if "val_ppl" in record else ""  # a language model's
+        loss, acc = record["val_loss"], record["val_acc"]
+        logger.info("epoch %g: val_loss %.4f val_acc %.4f%s", record["epoch"], loss, acc, ppl)
 
     def _evaluation_scalars(self, record: dict[str, float]) -> None:
         for suffix in ("", "_ema") if "val_acc_ema" in record else ("",):
-            for name in ("loss", "acc"):
+            for name in ("loss", "acc", "ppl") if "val_ppl" in record else ("loss", "acc"):
                 self.writer.add_scalar(f"val{suffix}/{name}", record[f"val_{name}{suffix}"], record["step"])
 
     def timeline(

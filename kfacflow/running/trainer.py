@@ -19,12 +19,12 @@ from torch import Tensor
 
 from kfacflow import registry
 from kfacflow.comm.base import Backend
-from kfacflow.data.checks import cross_entropy
+from kfacflow.data.checks import cross_entropy, shown
 from kfacflow.models.checks import explained
 from kfacflow.running import build, checkpointing
 from kfacflow.running.build import Training
 from kfacflow.running.consistency import check_replicas, gradients_finite, skipped
-from kfacflow.running.evaluation import evaluate, moving_average
+from kfacflow.running.evaluation import evaluate, inputs, moving_average
 from kfacflow.running.precision import MixedPrecision
 from kfacflow.running.records import RunRecords
 from kfacflow.running.runlog import RunLog
@@ -68,7 +68,7 @@ class Trainer:
         """The steps traced for the run log (``train.timeline``)."""
         self.variant = cfg.kfac.variant
         """The variant in force (``auto`` becomes the preset it chose)."""
-        self.image = f"{built.info.channels}x{built.info.image_size}x{built.info.image_size}"
+        self.info = built.info
         self.report = RunLog(cfg, run_dir, self.rank, self.world)
         self.precision = MixedPrecision(cfg.train.amp, self.device, cfg.train.loss_scale)
         if self.kfac:
@@ -76,7 +76,7 @@ class Trainer:
         self.ema = moving_average(self.model, cfg.train.ema)
         """The moving average of the weights (``train.ema``); every rank keeps the same one."""
         self.step = 0
-        self.records = RunRecords(cfg.train.stop_at_accuracy, cfg.train.timing_warmup, self.device)
+        self.records = RunRecords(cfg.train, self.device)
         """What the run has done over every process of it (``summary.json``; carried by the checkpoint)."""
         self.stop_requested = 0
         """Signal number a handler set: stop after the current step (every rank agrees on when)."""
@@ -105,7 +105,7 @@ class Trainer:
 
     @property
     def nothing_to_do(self) -> bool:
-        """Whether a resumed run is over: its budget done and evaluated, or ``train.stop_at_accuracy`` reached."""
+        """Whether a resumed run is over: its budget done and evaluated, or its target (``train.stop_at_*``) reached."""
         return (self.finished and self.evaluated) or self.records.reached is not None
 
     @property
@@ -223,7 +223,7 @@ class Trainer:
             sync = self.kfac.stages.grad_sync.for_step(self.kfac.sends_factors(), *routes)
         correct, samples = torch.zeros_like(loss_sum), 0
         for i, (x, y) in enumerate(batches):
-            x = x.to(self.device, self.dtype, non_blocking=True, memory_format=self.memory_format)
+            x = inputs(x, self.device, self.dtype, self.memory_format)
             y = y.to(self.device, non_blocking=True)
             # Gradients are averaged over ranks once: in the step's last backward pass, or after it (deferred).
             with sync.backward(self.backend, self.net, i == len(batches) - 1):
@@ -232,9 +232,9 @@ class Trainer:
                     loss = cross_entropy(out, y, self.cfg.data.name, label_smoothing=self.cfg.train.label_smoothing)
                 with self.timer.compute("backward"):
                     self.precision.scale(loss if len(batches) == 1 else loss / len(batches)).backward()
-            loss_sum += loss.detach().double() * y.shape[0]
-            correct += (out.detach().argmax(1) == y).sum()
-            samples += y.shape[0]
+            loss_sum += loss.detach().double() * y.numel()  # a language model's loss is a mean over tokens
+            correct += (out.detach().argmax(-1) == y).sum()
+            samples += y.numel()
         with self.timer.span("GradComm"):
             sync.finish(self.backend, self.optimizer)
         self.precision.unscale(self.optimizer)  # K-FAC and every check see the true gradients
@@ -274,7 +274,7 @@ class Trainer:
         try:
             return self.net(x)  # type: ignore[no-any-return]
         except (RuntimeError, ValueError, AssertionError) as err:
-            data = f"{self.image} images, data.batch_size={self.cfg.data.batch_size}"
+            data = f"{shown(self.info)}, data.batch_size={self.cfg.data.batch_size}"
             raise explained(err, self.cfg.model.name, data, self.step <= self._began) from None
 
     def _next_step(self) -> None:
@@ -327,9 +327,9 @@ class Trainer:
 
     def _evaluate(self, epoch: float) -> None:
         record: dict[str, float] = {"epoch": epoch, "step": self.step, "seconds": round(self.records.train_seconds, 3)}
-        nets, data, layout = {"": self.net, "_ema": self.ema}, self.cfg.data.name, self.memory_format
+        nets, data = {"": self.net, "_ema": self.ema}, (self.cfg.data.name, self.memory_format, self.dtype)
         with self.records.paused(), self.timer.outside(), torch.no_grad():  # out of every step and the seconds
-            record |= evaluate(nets, self.val_loader, self.backend, self.precision, data, layout, self.dtype)
+            record |= evaluate(nets, self.val_loader, self.backend, self.precision, *data, self.info.tokens)
         self.history.append(record)
         self.report.evaluation(record)
 

@@ -64,6 +64,10 @@ def worker(config_yaml: str, argv: list[str], announce: bool) -> str | None:
             if isinstance(err, UserCodeError):
                 err.print_cause()
             print(f"error: {err}", file=sys.stderr, flush=True)
+        else:
+            # Rank 0 raises the same and says it; ending first, this rank would have the launcher stop rank 0
+            # before it could (a model every rank refuses as it is built), and the job would end without a word.
+            time.sleep(SECONDARY_DELAY_S)
         note_failure(rank, err.exit_code, secondary=False)
         raise SystemExit(err.exit_code) from None
     except Exception as err:
@@ -146,6 +150,8 @@ def _run(config_yaml: str, argv: list[str], announce: bool, rank: int) -> str | 
             return _already_finished(trainer, run_dir, argv, announce)
         if cfg.resume and backend.rank == 0:
             rundir.write_metadata(run_dir, to_yaml(saved), command, resumed=True)
+        if backend.rank == 0 and trainer.info.identity is not None:
+            rundir.write_data(run_dir, trainer.info.identity)
         with stop_on_signals(trainer):
             summary = trainer.fit()
         backend.barrier()
@@ -178,9 +184,10 @@ def _run(config_yaml: str, argv: list[str], announce: bool, rank: int) -> str | 
     if (line := target_line(summary, trainer.total)) is not None:
         logger.info(line)
     logger.info(
-        "val_acc %.4f val_loss %.4f after %d steps in %.1f s",
+        "val_acc %.4f val_loss %.4f%s after %d steps in %.1f s",
         summary["val_acc"],
         summary["val_loss"],
+        f" val_ppl {summary['val_ppl']:.3f}" if "val_ppl" in summary else "",
         summary["steps"],
         summary["seconds"],
     )
