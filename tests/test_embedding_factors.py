@@ -136,3 +136,15 @@ def test_kinds_left_out_are_named_once(backend: TorchBackend, caplog: pytest.Log
 def test_a_kind_misspelt_is_one_line_naming_the_key() -> None:
     with pytest.raises(UserError, match=r"kinds: 'embeding' is not a kind .* Did you mean 'embedding'\?"):
         kfac_section({"kinds": ["linear", "embeding"]}, "KFACPreconditioner")
+
+
+@pytest.mark.parametrize("factor", ["expand", "reduce"])
+def test_the_padding_row_stays_as_it_was(backend: TorchBackend, factor: str) -> None:
+    model = Tokens().to(DT)
+    model.emb = nn.Embedding(V, D, padding_idx=0).to(DT)
+    before = model.emb.weight.detach().clone()
+    pre = build.preconditioner(model, KFACConfig(kinds=KINDS, factor=factor, damping=0.01), backend)
+    for seed in range(3):
+        step(model, pre, *data(seed))
+    assert torch.equal(model.emb.weight[0], before[0])
+    assert not torch.equal(model.emb.weight[1:], before[1:])  # the other rows did train

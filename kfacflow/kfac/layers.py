@@ -182,6 +182,11 @@ class KFACLayer:
         assert weight.grad is not None
         if self.embedding:
             weight.grad.copy_(mat.T)
+            padding = getattr(self.module, "padding_idx", None)
+            if (
+                padding is not None
+            ):  # never trained, as PyTorch keeps it (reduce's A mixes tokens: the update would not)
+                weight.grad[padding] = 0
             return
         if self.has_bias:
             bias = self.module.bias
