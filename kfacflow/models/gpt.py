@@ -12,37 +12,13 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kfacflow import UserError
+from kfacflow.models.attention import Attention
 
 NORMS = {"layer": nn.LayerNorm, "rms": nn.RMSNorm}
 """``model.kwargs.norm``: LayerNorm (GPT-2's) or RMSNorm (LLaMA's)."""
-
-
-class Attention(nn.Module):
-    """Causal multi-head self-attention: one fused ``qkv`` projection, ``F.scaled_dot_product_attention``, ``proj``.
-
-    Args:
-        d_model: Width of the residual stream.
-        n_head: Heads; ``d_model`` splits evenly among them.
-        dropout: Dropout on the attention weights and the output, in training.
-    """
-
-    def __init__(self, d_model: int, n_head: int, dropout: float) -> None:
-        super().__init__()
-        self.n_head, self.dropout = n_head, dropout
-        self.qkv = nn.Linear(d_model, 3 * d_model)
-        self.proj = nn.Linear(d_model, d_model)
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Return the attention's update of ``x`` (B, T, d_model)."""
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.n_head, d // self.n_head).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        return self.drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))  # type: ignore[no-any-return]
 
 
 class Block(nn.Module):
@@ -58,7 +34,7 @@ class Block(nn.Module):
     def __init__(self, d_model: int, n_head: int, norm: str, dropout: float) -> None:
         super().__init__()
         self.norm1, self.norm2 = NORMS[norm](d_model), NORMS[norm](d_model)
-        self.attn = Attention(d_model, n_head, dropout)
+        self.attn = Attention(d_model, n_head, dropout, causal=True)
         self.mlp = nn.Sequential(
             nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model), nn.Dropout(dropout)
         )

@@ -11,35 +11,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kfacflow import UserError
-
-
-class Attention(nn.Module):
-    """Multi-head self-attention: one fused ``qkv`` projection, ``scaled_dot_product_attention``, ``proj``.
-
-    Args:
-        dim: Width of the tokens.
-        heads: Attention heads (``dim`` must be a multiple).
-        dropout: Dropout of the attention weights and of the output (training only).
-    """
-
-    def __init__(self, dim: int, heads: int, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.heads = heads
-        self.dropout = dropout
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x: Tensor) -> Tensor:
-        """Return the attended tokens, ``(N, T, dim)`` as ``x``."""
-        n, t, d = x.shape
-        q, k, v = self.qkv(x).reshape(n, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
-        return self.drop(self.proj(y.transpose(1, 2).reshape(n, t, d)))
+from kfacflow.models.attention import Attention
 
 
 class Block(nn.Module):
