@@ -241,7 +241,7 @@ class DistConfig:
     kfacflow averages the gradients itself (``flow``'s) such parameters are always counted."""
 
 
-LAYER_KINDS = ("linear", "conv2d", "embedding")
+LAYER_KINDS = ("linear", "conv2d", "embedding", "norm")
 """The kinds of layer ``kfac.kinds`` may name."""
 
 
@@ -320,8 +320,10 @@ class KFACConfig:
     """fnmatch patterns of module names K-FAC leaves alone (e.g. ``fc``, ``layer4.*``)."""
     kinds: list[str] = field(default_factory=lambda: ["linear", "conv2d"])
     """Kinds of layer K-FAC preconditions: ``linear``, ``conv2d``, ``embedding`` (an ``nn.Embedding`` of at most
-    8192 rows, as a Linear on one-hot tokens: its A counts how often each token was seen). Every other
-    parameter is the optimizer's alone; a layer of a kind left out is named once in the log."""
+    8192 rows, as a Linear on one-hot tokens: its A counts how often each token was seen), ``norm`` (the scale and
+    shift of an ``nn.LayerNorm`` or ``nn.RMSNorm``, by a diagonal Fisher of per-example gradients, as kfac-jax's
+    scale-and-shift blocks: ``grad / (D + damping)``). Every other parameter is the optimizer's alone; a layer of a
+    kind left out is named once in the log."""
     factor_dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = "auto"
     """What factors are computed, all-reduced and averaged in; ``auto``: the parameters' (float32 under mixed
     precision: activations of the autocast forward are cast up first). Half precision only when named here."""

@@ -2,7 +2,8 @@
 
 K-FAC's factors describe a weight gradient only when the module computes what ``nn.Linear``,
 ``nn.Conv2d`` or ``nn.Embedding`` computes from the input its hooks see, and nothing else adds to that
-gradient. An embedding is a Linear on one-hot tokens: its weight ``(V, d)`` is that Linear's
+gradient. (A norm's scale and shift, kind ``norm``, go by a diagonal instead: :mod:`~kfacflow.kfac.norms`.)
+An embedding is a Linear on one-hot tokens: its weight ``(V, d)`` is that Linear's
 ``(d, V)`` transposed, its A factor (``V x V``) counts how often each token was seen (diagonal under
 ``expand``), its G is the Linear's. The kinds preconditioned are ``kfac.kinds``.
 Anything else is left to the plain optimizer with one INFO line saying why: a subclass with a
@@ -15,6 +16,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -30,8 +32,15 @@ logger = logging.getLogger(__name__)
 OWN_FORWARD = "its forward is its own, so the factors cannot know what it computes"
 EMBEDDING_ROWS = 8192
 """Most rows of an embedding K-FAC takes: its A factor is ``V x V`` and its factors' rows one-hot ``V`` wide."""
-KINDS: dict[str, type[nn.Module]] = {"linear": nn.Linear, "conv2d": nn.Conv2d, "embedding": nn.Embedding}
-"""The module each of ``kfac.kinds`` names (subclasses too, where their forward is the parent's)."""
+NORMS = (nn.LayerNorm, nn.RMSNorm)
+"""The norms whose scale and shift kind ``norm`` preconditions (by a diagonal: :mod:`~kfacflow.kfac.norms`)."""
+KINDS: dict[str, type[nn.Module] | tuple[type[nn.Module], ...]] = {
+    "linear": nn.Linear,
+    "conv2d": nn.Conv2d,
+    "embedding": nn.Embedding,
+    "norm": NORMS,
+}
+"""The modules each of ``kfac.kinds`` names (subclasses too, where their forward is the parent's)."""
 
 # Subclasses whose forward K-FAC knows, by (defining module, class): recognised by name so that
 # kfacflow does not import timm. timm.models.layers held them before timm 0.9.
@@ -58,10 +67,10 @@ def forward_kind(module: nn.Module) -> str | None:
     """Return how ``module`` computes its output, or None if K-FAC does not know.
 
     Args:
-        module: A Linear or Conv2d (or a subclass).
+        module: A Linear, Conv2d, Embedding or norm (or a subclass).
 
     Returns:
-        ``"plain"`` (what nn.Linear / nn.Conv2d compute), ``"tf_same"`` (timm's TF-same
+        ``"plain"`` (what nn.Linear, nn.Conv2d, ... compute), ``"tf_same"`` (timm's TF-same
         convolutions) or None (a forward of its own).
     """
     if "forward" in vars(module):  # forward replaced on the instance
@@ -69,7 +78,7 @@ def forward_kind(module: nn.Module) -> str | None:
     if isinstance(module, nn.Conv2d) and _defining(module, "_conv_forward") is not nn.Conv2d:
         return None
     owner = _defining(module, "forward")
-    if owner in (nn.Linear, nn.Conv2d, nn.Embedding) or _key(owner) in _AS_PARENT:
+    if owner in (nn.Linear, nn.Conv2d, nn.Embedding, *NORMS) or _key(owner) in _AS_PARENT:
         return "plain"
     if _key(owner) in _TF_SAME:
         return "tf_same"
@@ -201,7 +210,7 @@ class KFACLayer:
         return weight
 
 
-def _param_users(model: nn.Module) -> dict[int, list[str]]:
+def param_users(model: nn.Module) -> dict[int, list[str]]:
     """Map each parameter's id to the ``module.param`` names of every distinct module holding it."""
     users: dict[int, list[str]] = defaultdict(list)
     for name, module in model.named_modules():
@@ -210,13 +219,13 @@ def _param_users(model: nn.Module) -> dict[int, list[str]]:
     return users
 
 
-def skip_reason(name: str, module: nn.Linear | nn.Conv2d | nn.Embedding, users: dict[int, list[str]]) -> str | None:
+def skip_reason(name: str, module: nn.Module, users: dict[int, list[str]]) -> str | None:
     """Return why K-FAC cannot precondition ``module``, or None if its factors describe its gradient.
 
     Args:
         name: The module's name in the model.
-        module: A Linear, Conv2d or Embedding (or a subclass).
-        users: :func:`_param_users` of the model, to find tied parameters.
+        module: A Linear, Conv2d, Embedding or norm (or a subclass).
+        users: :func:`param_users` of the model, to find tied parameters.
     """
     if forward_kind(module) is None:
         return OWN_FORWARD
@@ -261,24 +270,38 @@ def _embedding_reason(module: nn.Embedding) -> str | None:
     return None
 
 
+def affine_trained(module: nn.Module) -> list[Tensor]:
+    """A norm's trained scale and shift (``weight``, ``bias``), in that order: none where absent or frozen."""
+    params = (getattr(module, name, None) for name in ("weight", "bias"))
+    return [p for p in params if isinstance(p, nn.Parameter) and p.requires_grad]
+
+
 def kinds_left(model: nn.Module, kinds: tuple[str, ...]) -> tuple[str, ...]:
-    """The kinds of layer ``model`` has that ``kinds`` (``kfac.kinds``) leaves to the optimizer."""
-    has = [kind for kind, cls in KINDS.items() if any(isinstance(m, cls) for m in model.modules())]
+    """The kinds of layer ``model`` has that ``kinds`` (``kfac.kinds``) leaves to the optimizer (a norm: if trained)."""
+
+    def counts(kind: str, module: nn.Module) -> bool:
+        return isinstance(module, KINDS[kind]) and (kind != "norm" or bool(affine_trained(module)))
+
+    has = [kind for kind in KINDS if any(counts(kind, m) for m in model.modules())]
     return tuple(sorted(kind for kind in has if kind not in kinds))
 
 
-def _class_name(module: nn.Module) -> str:
+def class_name(module: nn.Module) -> str:
+    """The module's class as a log line names it: torch's by its name alone, others with their module."""
     cls = type(module)
     return cls.__name__ if cls.__module__.startswith("torch.") else f"{cls.__module__}.{cls.__qualname__}"
 
 
-def find_layers(model: nn.Module, skip: list[str], kinds: tuple[str, ...] = ("linear", "conv2d")) -> list[KFACLayer]:
-    """Return the modules of ``model`` that K-FAC preconditions, in registration order.
+def find_layers(
+    model: nn.Module, skip: list[str], kinds: tuple[str, ...] = ("linear", "conv2d"), others: Collection[str] = ()
+) -> list[KFACLayer]:
+    """Return the modules of ``model`` that K-FAC preconditions by Kronecker factors, in registration order.
 
     Args:
         model: The network (not wrapped in DDP).
         skip: fnmatch patterns of module names to leave alone.
         kinds: The kinds of layer to precondition (``kfac.kinds``, keys of :data:`KINDS`).
+        others: The names of the other modules K-FAC would precondition (the norms), which a pattern may match.
 
     Returns:
         The preconditioned layers: modules of the ``kinds`` asked (and the known subclasses) for which
@@ -288,7 +311,7 @@ def find_layers(model: nn.Module, skip: list[str], kinds: tuple[str, ...] = ("li
     Raises:
         UserError: If a ``skip`` pattern matches no module K-FAC would precondition.
     """
-    users = _param_users(model)
+    users = param_users(model)
     layers, candidates, used = [], [], set()
     taken = tuple(KINDS[kind] for kind in kinds)
     for name, module in model.named_modules():
@@ -303,14 +326,14 @@ def find_layers(model: nn.Module, skip: list[str], kinds: tuple[str, ...] = ("li
         if hits:
             logger.debug("kfac.skip leaves %s alone", name)
         elif reason is not None:
-            logger.info("K-FAC skips %s (%s): %s", name, _class_name(module), reason)
+            logger.info("K-FAC skips %s (%s): %s", name, class_name(module), reason)
         elif not trained:
             logger.debug("K-FAC skips %s: its weight is frozen", name)
         else:
             layers.append(KFACLayer(name, module))
     for pat in skip:
-        if pat not in used:
-            raise UserError(_unused_pattern(model, pat, candidates))
+        if pat not in used and not any(fnmatch.fnmatchcase(name, pat) for name in others):
+            raise UserError(_unused_pattern(model, pat, [*candidates, *others]))
     return layers
 
 

@@ -26,6 +26,7 @@ from kfacflow.kfac.hooks.rows import RowCapture
 from kfacflow.kfac.hooks.watch import Claims, ForwardHooks
 from kfacflow.kfac.layer_updates import LayerUpdates
 from kfacflow.kfac.layers import KFACLayer, find_layers, kinds_left
+from kfacflow.kfac.norms import NormDiagonals, find_norms
 from kfacflow.kfac.plan_life import PlanLife, describe, rows_pay
 from kfacflow.kfac.planning.measured import LayerTimes
 from kfacflow.kfac.planning.plan import StepPlan, make_plan
@@ -39,7 +40,7 @@ from kfacflow.timing import StepTimer
 
 
 class Preconditioner:
-    """Preconditions the gradients of a model's Linear and Conv2d layers with K-FAC.
+    """Preconditions the gradients of a model's Linear and Conv2d layers with K-FAC (norms: :mod:`.norms`).
 
     Call :meth:`step` between the last ``loss.backward()`` of a step and ``optimizer.step()``.
     Hooks capture the layer inputs (A) and output gradients (G) on the steps that update
@@ -79,13 +80,14 @@ class Preconditioner:
         # Without a training loop's timer nothing closes a step: time nothing (no spans, no CUDA events).
         self.timer = timer or StepTimer(backend.device, enabled=False)
         self.engine = Engine(backend, self.timer)
-        layers = find_layers(model, list(cfg.skip), tuple(cfg.kinds))
+        norms = find_norms(model, list(cfg.skip), tuple(cfg.kinds))
+        layers = find_layers(model, list(cfg.skip), tuple(cfg.kinds), [norm.name for norm in norms])
         if not layers:
             raise UserError(
                 "kfac: the model has no Linear or Conv2d layer K-FAC can precondition "
                 "(check kfac.skip, or use kfac.variant=sgd)."
             )
-        self.claims = Claims({layer.name: layer.module for layer in layers})
+        self.claims = Claims({layer.name: layer.module for layer in layers} | {n.name: n.module for n in norms})
         factor_dtype, inverse_dtype = dtypes(cfg, next(layers[0].module.parameters()).dtype)
         comm = Communicator(backend, stages.fusion, self.timer)
         keep, gather = cfg.factor_examples, (backend.gather_objects if backend.world_size > 1 else None)
@@ -100,7 +102,8 @@ class Preconditioner:
         # The planner by this module's name: what a caller wraps to count or vary the plans.
         parts = (self.engine, self.schedule, self.state, self.capture, self.rows, self.claims, comm)
         self.life = PlanLife(layers, stages, profile, cfg.placement_steps, *parts, make_plan)
-        self.updates = LayerUpdates(self.state, self.life, self.rows, self.engine)
+        self.norms = NormDiagonals(norms, self.capture, self.engine, self.schedule, self.finite, decay, inverse_dtype)
+        self.updates = LayerUpdates(self.state, self.life, self.rows, self.engine, self.norms)
         describe(layers, stages, self.life.slots, kinds_left(model, tuple(cfg.kinds)))
 
     # What callers holding the orchestrator alone (the trainer, the library, tests) read of its rooms.
@@ -126,6 +129,11 @@ class Preconditioner:
     grad_scaler: Any = None
     """The ``torch.amp.GradScaler`` of a float16 loss, or ``None``: its scale goes to the G hooks after each
     forward pass (on the device), so G is of the unscaled output gradients. Unscale gradients before :meth:`step`."""
+
+    @property
+    def params(self) -> list[Tensor]:
+        """Every parameter preconditioned: the layers' weights and trained biases, the norms' scales and shifts."""
+        return [p for layer in self.layers for p in layer.params] + self.norms.params
 
     def reconfigure(self, stages: StageSet, profile: Profile | None = None) -> None:
         """Run other stages from the next step on (between steps; the mathematics is the same).
@@ -175,6 +183,7 @@ class Preconditioner:
         if gradients is not None:  # not averaged yet: the layers that go by rows rebuild theirs from them
             gradients.leave(self.rows.leave(self.layers))
         arrivals = self._arrivals(gradients)
+        self.norms.launch()  # behind the factors and the gradients
         sends, exchange = self.sends_factors(), self.state.exchange
         exchange.opening(self.backend, sends)
         self.rows.post(self.layers)  # behind the factors on the link
@@ -192,6 +201,7 @@ class Preconditioner:
         if gradients is not None:
             gradients.wait()
         self.state.exchange.drop()
+        self.norms.reset()
         self._next_step(refreshed=False)
 
     def set_intervals(self, factor_update_freq: int, inv_update_freq: int) -> None:
@@ -267,6 +277,7 @@ class Preconditioner:
         inverses = self.stages.broadcast.every_inverse(self.state, self.life, self.engine)
         state = state_of(inverses, self.life.every_average(), self.steps, self.capture)
         state["clip_sum"] = self.updates.saved()
+        state["norms"] = self.norms.saved()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -287,11 +298,13 @@ class Preconditioner:
         holds = lambda key: self.stages.broadcast.holds(owners.get(key), self.backend.rank)  # noqa: E731
         self.state.restore(state, holds, self.stages.factor_exchange, self.capture)
         self.updates.restore(state.get("clip_sum"), self.backend.device)
+        self.norms.restore(state.get("norms"))
         self.capture.active = self.schedule.factors()
 
     def remove(self) -> None:
         """Remove the hooks (another preconditioner may then take the model)."""
         self.capture.remove()
+        self.norms.remove()
         self.rows.remove()
         self.hooks.remove()
         self.claims.release()

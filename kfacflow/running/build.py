@@ -278,7 +278,7 @@ def preconditioner(
     planning = profile.for_method(names.inverse) if profile is not None else None
     built = stages(cfg, names, profile)
     kfac = Preconditioner(model, cfg, built, backend, planning, timer, accumulate, batch_dim)
-    log_left_out(model, (p for layer in kfac.layers for p in layer.params))
+    log_left_out(model, kfac.params)
     return kfac
 
 
