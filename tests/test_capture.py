@@ -106,12 +106,44 @@ def test_fewer_calls_than_the_first_step_still_hands_over_the_factors(backend: T
     torch.testing.assert_close(pre.factors["fc/A"], rows.T @ rows / 4)
 
 
-class Attention(nn.Module):
-    """MultiheadAttention uses ``out_proj.weight`` directly: that Linear's forward never runs."""
+class Direct(nn.Module):
+    """A parent that hands ``proj.weight`` to ``F.linear`` itself: that Linear's forward never runs."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.proj = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(F.linear(x, self.proj.weight, self.proj.bias)))
+
+
+def test_a_layer_whose_forward_never_runs_is_left_to_the_optimizer(
+    backend: TorchBackend, caplog: pytest.LogCaptureFixture
+) -> None:
+    torch.manual_seed(0)
+    model = Direct().to(DT)
+    pre = _pre(backend, model)
+    assert [layer.name for layer in pre.layers] == ["proj", "head"]
+    x, y = torch.randn(3, 4, dtype=DT), torch.tensor([0, 1, 1])
+    with caplog.at_level(logging.INFO):
+        _step(model, pre, x, y)
+    assert [layer.name for layer in pre.layers] == ["head"]
+    assert pre.keys == ["head/A", "head/G"] and len(pre.owners) == 2
+    assert any("proj" in r.message and "never ran" in r.message for r in caplog.records)
+    grad = model.proj.weight.grad
+    assert grad is not None and torch.isfinite(grad).all()
+    _step(model, pre, x, y)  # and training goes on
+    state = pre.state_dict()
+    assert state["layers"] == {"head": 1}
+
+
+class Attention(nn.Module):
+    """A MultiheadAttention: K-FAC calls its projections as modules (``attn.in_proj``, ``attn.out_proj``)."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(4, 2, batch_first=True, **kw)
         self.head = nn.Linear(4, 2)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -119,24 +151,28 @@ class Attention(nn.Module):
         return self.head(h.mean(1))
 
 
-def test_a_layer_whose_forward_never_runs_is_left_to_the_optimizer(
+def test_a_multihead_attentions_projections_are_kept_and_one_k_fac_cannot_take_is_named(
     backend: TorchBackend, caplog: pytest.LogCaptureFixture
 ) -> None:
     torch.manual_seed(0)
     model = Attention().to(DT)
     pre = _pre(backend, model)
-    assert [layer.name for layer in pre.layers] == ["attn.out_proj", "head"]
     x, y = torch.randn(3, 5, 4, dtype=DT), torch.tensor([0, 1, 1])
-    with caplog.at_level(logging.INFO):
+    for _ in range(2):
         _step(model, pre, x, y)
+    assert [layer.name for layer in pre.layers] == ["attn.in_proj", "attn.out_proj", "head"]
+    assert pre.state_dict()["layers"] == {"attn.in_proj": 1, "attn.out_proj": 1, "head": 1}
+    pre.remove()
+    assert "forward" not in vars(model.attn)
+    model = Attention(add_zero_attn=True).to(DT)
+    with caplog.at_level(logging.INFO):
+        pre = _pre(backend, model)
     assert [layer.name for layer in pre.layers] == ["head"]
-    assert pre.keys == ["head/A", "head/G"] and len(pre.owners) == 2
-    assert any("attn.out_proj" in r.message and "never ran" in r.message for r in caplog.records)
-    grad = model.attn.out_proj.weight.grad
-    assert grad is not None and torch.isfinite(grad).all()
-    _step(model, pre, x, y)  # and training goes on
-    state = pre.state_dict()
-    assert state["layers"] == {"head": 1}
+    assert "forward" not in vars(model.attn)
+    line = "K-FAC skips attn (MultiheadAttention) and its projections: add_zero_attn"
+    assert [r.message for r in caplog.records if "attn" in r.message][0].startswith(line)
+    _step(model, pre, x, y)
+    assert [layer.name for layer in pre.layers] == ["head"]
 
 
 class Checkpointed(nn.Module):

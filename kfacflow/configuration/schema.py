@@ -319,7 +319,8 @@ class KFACConfig:
     skip: list[str] = field(default_factory=list)
     """fnmatch patterns of module names K-FAC leaves alone (e.g. ``fc``, ``layer4.*``)."""
     kinds: list[str] = field(default_factory=lambda: ["linear", "conv2d"])
-    """Kinds of layer K-FAC preconditions: ``linear``, ``conv2d``, ``embedding`` (an ``nn.Embedding`` of at most
+    """Kinds of layer K-FAC preconditions: ``linear`` (an ``nn.MultiheadAttention``'s ``out_proj`` and its packed
+    ``in_proj`` too, the latter named ``<module>.in_proj``), ``conv2d``, ``embedding`` (an ``nn.Embedding`` of at most
     8192 rows, as a Linear on one-hot tokens: its A counts how often each token was seen), ``norm`` (the scale and
     shift of an ``nn.LayerNorm`` or ``nn.RMSNorm``, by a diagonal Fisher of per-example gradients, as kfac-jax's
     scale-and-shift blocks: ``grad / (D + damping)``). Every other parameter is the optimizer's alone; a layer of a

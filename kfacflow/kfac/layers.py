@@ -6,9 +6,13 @@ gradient. (A norm's scale and shift, kind ``norm``, go by a diagonal instead: :m
 An embedding is a Linear on one-hot tokens: its weight ``(V, d)`` is that Linear's
 ``(d, V)`` transposed, its A factor (``V x V``) counts how often each token was seen (diagonal under
 ``expand``), its G is the Linear's. The kinds preconditioned are ``kfac.kinds``.
+An ``nn.MultiheadAttention`` is two Linear maps (kind ``linear``): its ``out_proj``, and its packed
+``in_proj_weight`` as a :class:`~kfacflow.kfac.multihead.PackedProjection` named ``<module>.in_proj``,
+seen by the hooks through a forward of kfacflow's (:mod:`~kfacflow.kfac.multihead`).
 Anything else is left to the plain optimizer with one INFO line saying why: a subclass with a
 forward of its own (except the known ones below), a parametrized or computed weight, a weight
-tied to another module, a grouped or non-zero-padded convolution.
+tied to another module, a grouped or non-zero-padded convolution, a MultiheadAttention of a
+configuration K-FAC does not know (``kdim``/``vdim``, ``bias_k``/``bias_v``, ``add_zero_attn``).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 from collections import defaultdict
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +30,7 @@ from torch.nn.parameter import is_lazy
 from torch.nn.utils import parametrize
 
 from kfacflow import UserError, did_you_mean
+from kfacflow.kfac.multihead import IN_PROJ, PackedProjection, attention_reason, in_proj_reason
 
 logger = logging.getLogger(__name__)
 
@@ -306,20 +311,17 @@ def find_layers(
     Returns:
         The preconditioned layers: modules of the ``kinds`` asked (and the known subclasses) for which
         :func:`skip_reason` finds nothing, whose weight is trained and whose name no pattern
-        matches. Each module left out for a :func:`skip_reason` is logged at INFO.
+        matches. Each module left out for a :func:`skip_reason` is logged at INFO. A MultiheadAttention
+        gives ``<name>.in_proj`` (before its ``<name>.out_proj``); its hooks see calls only once
+        :class:`~kfacflow.kfac.multihead.HeldAttention` gives it kfacflow's forward (the preconditioner does).
 
     Raises:
         UserError: If a ``skip`` pattern matches no module K-FAC would precondition.
     """
-    users = param_users(model)
     layers, candidates, used = [], [], set()
-    taken = tuple(KINDS[kind] for kind in kinds)
-    for name, module in model.named_modules():
-        if not isinstance(module, (nn.Linear, nn.Conv2d, nn.Embedding)) or not isinstance(module, taken):
-            continue
-        reason = skip_reason(name, module, users)
+    for name, module, reason in _candidates(model, kinds):
         hits = [pat for pat in skip if fnmatch.fnmatchcase(name, pat)]
-        trained = reason is None and module.weight.requires_grad
+        trained = reason is None and bool(module.weight.requires_grad)
         if trained:
             candidates.append(name)
             used.update(hits)
@@ -335,6 +337,29 @@ def find_layers(
         if pat not in used and not any(fnmatch.fnmatchcase(name, pat) for name in others):
             raise UserError(_unused_pattern(model, pat, [*candidates, *others]))
     return layers
+
+
+def _candidates(model: nn.Module, kinds: tuple[str, ...]) -> Iterator[tuple[str, nn.Module, str | None]]:
+    """Each module of the ``kinds`` asked, by name, with :func:`skip_reason`'s reason; a MultiheadAttention's two.
+
+    A MultiheadAttention K-FAC cannot take is logged here (its ``out_proj`` is not a candidate then); one
+    it takes adds its packed projection, as a :class:`~kfacflow.kfac.multihead.PackedProjection` (or as
+    the module itself, with :func:`~kfacflow.kfac.multihead.in_proj_reason`'s reason).
+    """
+    users = param_users(model)
+    taken = tuple(KINDS[kind] for kind in kinds)
+    left: set[int] = set()
+    for name, module in model.named_modules():
+        if isinstance(module, nn.MultiheadAttention) and "linear" in kinds:
+            if (whole := attention_reason(module)) is not None:
+                logger.info("K-FAC skips %s (%s) and its projections: %s", name, class_name(module), whole)
+                left.add(id(module.out_proj))
+                continue
+            why = in_proj_reason(module, name, users)
+            yield f"{name}.{IN_PROJ}" if name else IN_PROJ, module if why else PackedProjection(module), why
+        elif isinstance(module, (nn.Linear, nn.Conv2d, nn.Embedding)) and isinstance(module, taken):
+            if id(module) not in left:
+                yield name, module, skip_reason(name, module, users)
 
 
 def _unused_pattern(model: nn.Module, pat: str, candidates: list[str]) -> str:

@@ -26,6 +26,7 @@ from kfacflow.kfac.hooks.rows import RowCapture
 from kfacflow.kfac.hooks.watch import Claims, ForwardHooks
 from kfacflow.kfac.layer_updates import LayerUpdates
 from kfacflow.kfac.layers import KFACLayer, find_layers, kinds_left
+from kfacflow.kfac.multihead import HeldAttention
 from kfacflow.kfac.norms import NormDiagonals, find_norms
 from kfacflow.kfac.plan_life import PlanLife, describe, rows_pay
 from kfacflow.kfac.planning.measured import LayerTimes
@@ -88,6 +89,11 @@ class Preconditioner:
                 "(check kfac.skip, or use kfac.variant=sgd)."
             )
         self.claims = Claims({layer.name: layer.module for layer in layers} | {n.name: n.module for n in norms})
+        try:  # MultiheadAttention modules call their projections as modules from here on (until remove())
+            self.attention = HeldAttention(model, {layer.name: layer.module for layer in layers})
+        except UserError:
+            self.claims.release()
+            raise
         factor_dtype, inverse_dtype = dtypes(cfg, next(layers[0].module.parameters()).dtype)
         comm = Communicator(backend, stages.fusion, self.timer)
         keep, gather = cfg.factor_examples, (backend.gather_objects if backend.world_size > 1 else None)
@@ -307,4 +313,5 @@ class Preconditioner:
         self.norms.remove()
         self.rows.remove()
         self.hooks.remove()
+        self.attention.remove()
         self.claims.release()

@@ -1,7 +1,8 @@
 """Multi-head self-attention for kfacflow's own transformers (``vit``, ``gpt``), made of layers K-FAC preconditions.
 
-One fused ``qkv`` ``nn.Linear`` and an output ``nn.Linear`` around ``F.scaled_dot_product_attention``:
-``nn.MultiheadAttention`` uses its projections' weights directly, so no module hook would see them.
+One fused ``qkv`` ``nn.Linear`` and an output ``nn.Linear`` around ``F.scaled_dot_product_attention``,
+called as modules. (K-FAC takes an ``nn.MultiheadAttention``'s projections too, by giving the module a
+forward of its own while it holds it: :mod:`kfacflow.kfac.multihead`; these blocks need none.)
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Every map with a weight matrix is a module K-FAC's hooks see: the patch embedding is an ``nn.Conv2d``
 (a patch-sized kernel and stride), each attention is one fused ``qkv`` ``nn.Linear`` and an output
-``nn.Linear`` around ``F.scaled_dot_product_attention``, each MLP two ``nn.Linear``. ``nn.MultiheadAttention``
-is not used: it calls its projections' weights functionally, so hooks on its modules never fire.
+``nn.Linear`` around ``F.scaled_dot_product_attention``, each MLP two ``nn.Linear``
+(:class:`~kfacflow.models.attention.Attention`, not ``nn.MultiheadAttention``).
 The layer norms and the position embedding are left to the optimizer alone.
 """
 

@@ -18,8 +18,9 @@ the factors one pass over all of the step's inputs would give:
 
 How many times each layer runs per forward pass, and how many passes a step has, is learnt on the
 first capturing step (:mod:`~kfacflow.kfac.hooks.first_step`), when the factors are handed over only
-once the forward (A) and backward (G) passes are over; layers whose forward never ran (e.g.
-``MultiheadAttention.out_proj``, whose weight it uses directly) or whose output got no gradient
+once the forward (A) and backward (G) passes are over; layers whose forward never ran (a weight a
+parent module uses directly; a ``MultiheadAttention``'s packed ``in_proj`` where the module is not
+called as self-attention: :mod:`~kfacflow.kfac.multihead`) or whose output got no gradient
 are then left to the plain optimizer. From then on a layer that runs more often than it did is
 an error, never a silent mismatch. With several ranks the factors go out through a
 :class:`~kfacflow.kfac.hooks.handover.Handover`, in one order every rank agrees on.

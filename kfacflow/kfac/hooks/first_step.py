@@ -84,7 +84,7 @@ def learn_uses(
     anywhere = " on any rank" if several else ""
     for layer in layers:
         if layer.name not in ran or layer.name not in got:
-            why = "its forward never ran (its weight is used directly, as MultiheadAttention does with out_proj)"
+            why = getattr(layer.module, "left_out", None) or "its forward never ran (its weight is used directly)"
             if layer.name in ran:
                 why = "its output got no gradient"
             logger.info("K-FAC leaves %s to the optimizer: %s%s", layer.name, why, anywhere)
