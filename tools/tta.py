@@ -83,6 +83,7 @@ OPTIMIZERS = {
     "flow_muon": ["kfac.variant=flow", *TEN_HUNDRED, "optim.name=muon"],
     "flow_rms": ["optim.name=sgd", "kfac.variant=flow", *TEN_HUNDRED, "kfac.normalize=rms"],
     "recipe": [],
+    "recipe_norm": ["kfac.kinds=[linear,conv2d,norm]"],
 }
 """What makes each optimizer of the comparison out of the recipe: K-FAC with factors every step and inverses
 every 10 (kfac-pytorch's CIFAR-10 defaults), or ``flow_10_100``: every 10 and 100 (its ImageNet defaults);
@@ -90,7 +91,8 @@ every 10 (kfac-pytorch's CIFAR-10 defaults), or ``flow_10_100``: every 10 and 10
 (``kfac.factor_examples``), ``flow_10_100_16`` from 16 at the ImageNet intervals; ``muon``: Muon for matrices
 and filters, AdamW for the rest (``optim.name=muon``), ``flow_muon`` the same over K-FAC's preconditioned
 gradients (every other K-FAC one takes SGD's step, whatever the recipe's optimizer); ``flow_rms``: each layer's
-preconditioned update at RMS 1 (``kfac.normalize=rms``); ``recipe``: the recipe as it is (its own K-FAC settings)."""
+preconditioned update at RMS 1 (``kfac.normalize=rms``); ``recipe``: the recipe as it is (its own K-FAC
+settings), ``recipe_norm`` the same with the norms' scale and shift preconditioned too (``kfac.kinds``)."""
 GRIDS = {
     "sgd": "optim.lr:0.05,0.1,0.2",
     "adamw": "optim.lr:0.001,0.003",
@@ -99,6 +101,7 @@ GRIDS = {
     "flow_muon": "optim.lr:0.02,0.05;kfac.damping:0.1",
     "flow_rms": "optim.lr:0.001,0.003,0.01;kfac.damping:0.1",
     "recipe": "",
+    "recipe_norm": "",
 }
 """The default sweeps: the rates each optimizer is usually run at on small image models (every K-FAC one alike;
 Muon's: the speedruns' 0.02-0.05 and its momentum at 0.9 and 0.95); ``recipe``: none."""
