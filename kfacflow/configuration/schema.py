@@ -252,7 +252,12 @@ class KFACConfig:
     variant: str = "d"
     """A preset (`--list variant`): ``spd``, ``mpd``, ``d``, ``flow``, ``auto`` or ``sgd`` (no preconditioner)."""
     factor: str = "expand"
-    """How factors treat positions, a Conv2d's in the image and a Linear's in a sequence (`--list factor`)."""
+    """How factors treat the uses of a weight within one example (`--list factor`): a Conv2d's positions in the
+    image, a Linear's tokens in a sequence, and the calls of a layer applied several times in one forward pass
+    (shared weights). ``expand`` (KFC): every use is a row of its own. ``reduce`` (K-FAC-reduce): every use of the
+    weight in one example, its tokens, positions and calls, reduced (inputs averaged, each call weighted by its
+    tokens; output gradients summed), so the factors come from one row an example; the calls of a layer must then
+    see the same examples. Forward passes of a step (micro-batches, several views) stay examples of their own."""
     fusion: Optional[str] = None
     """When factors are all-reduced (`--list fusion`); empty takes the variant's."""
     placement: Optional[str] = None

@@ -10,9 +10,13 @@ the factors one pass over all of the step's inputs would give:
   one backward pass (two views of each example, as SimCLR trains). A is the mean of every row of
   every pass; G is computed as one batch of all the passes' examples would give it:
   ``G = k N sum g g^T`` over the output gradients of all passes (each hook computes ``N sum g g^T``).
-- **Several calls per forward pass** (one module applied twice: shared weights): each call's
-  rows count as more rows of the same examples, as K-FAC-expand treats weight sharing
-  (Eschenhagen et al. 2023): A averages the rows of every call and the G of the calls add up.
+- **Several calls per forward pass** (one module applied twice: shared weights): under
+  ``kfac.factor=expand`` each call's rows count as more rows of the same examples, as K-FAC-expand
+  treats weight sharing (Eschenhagen et al. 2023): A averages the rows of every call and the G of
+  the calls add up. Under ``reduce`` the calls are reduced as positions are (K-FAC-reduce): each
+  example's input averaged over every use of the weight in the pass and its output gradients
+  summed, so a pass's calls make one part of ``N`` rows (:mod:`~kfacflow.kfac.hooks.pass_rows`),
+  held until the pass's last call (A) or last output gradient (G).
 - **A model trained through its methods** (``model.encode_image``, ``model.encode_text``), which no
   hook on the model sees: the calls since the last step are one pass.
 
@@ -36,20 +40,29 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from kfacflow.kfac.exchange import Contribution
 from kfacflow.kfac.hooks.factor_parts import FactorParts
-from kfacflow.kfac.hooks.first_step import NOT_CALLED, learn_uses, merged_calls, more_calls, other_passes, recomputed
+from kfacflow.kfac.hooks.first_step import (
+    NOT_CALLED,
+    learn_uses,
+    merged_calls,
+    more_calls,
+    other_passes,
+    ran_and_got,
+    recomputed,
+)
 from kfacflow.kfac.hooks.handover import Handover, placeholders
 from kfacflow.kfac.hooks.layer_sums import (
     LayerCapture,
-    Sum,
     call_input,
     examples_first,
     full_precision,
     leading,
     unscaled,
 )
+from kfacflow.kfac.hooks.pass_rows import PassRows
 from kfacflow.kfac.layers import KFACLayer
-from kfacflow.kfac.stages.contracts import FactorStage, layer_of
+from kfacflow.kfac.stages.contracts import FactorStage
 from kfacflow.kfac.stages.inverse import warn_once
 from kfacflow.timing import StepTimer
 
@@ -116,6 +129,8 @@ class Capture:
         self._a_order: list[str] = []
         self._g_order: list[str] = []
         self._forward_start: dict[str, float] = {}
+        self.held = PassRows(self.parts, self._add, lambda: self.passes == 1 and self.uses is not None)
+        """Under ``kfac.factor=reduce``, the rows of a layer's calls until its pass's are all in (``_reduces``)."""
         self.examples: int | None = None
         """Examples of the current forward pass (the model's batch), set by the preconditioner at its start.
 
@@ -160,13 +175,10 @@ class Capture:
                 raise more_calls(layer.name, cap.a_calls, self.uses.get(layer.name, 0))
             with torch.no_grad(), full_precision(x), self.timer.span("FactorComp", f"{layer.name}/A", "factor"):
                 x_in = layer.factor_input(self._kept(x), self.dtype)
-                packed, rows = self.parts.a_part(layer, module, x_in, self._once(layer))
-            if cap.a is None:
-                cap.a = Sum(packed, float(rows))
-            else:
-                cap.a.add(packed, float(rows))
-            if self._last_call(layer, cap.a_total):
-                self._send(layer, "A", cap)
+                if self._reduces(layer):
+                    self.held.call_a(layer, module, x_in, last=cap.a_calls == (self.uses or {}).get(layer.name))
+                else:
+                    self._add("A", layer, *self.parts.a_part(layer, module, x_in, self._once(layer)))
             self._forward_start[layer.name] = self.timer.now()
 
         return hook
@@ -179,37 +191,42 @@ class Capture:
             if not output.requires_grad:
                 return
             batch = self._examples(given)
+            reduces, pass_ = self._reduces(layer), self.micro
+            if reduces:
+                self.held.expect_g(layer, module, pass_)
             start = self._forward_start.pop(layer.name, None)
             if start is not None:
                 self.timer.record(layer.name, "forward", start, self.timer.now())
 
             def grad_hook(grad: Tensor) -> None:
-                cap = self.captures[layer.name]
-                cap.g_total += 1
+                self.captures[layer.name].g_total += 1
                 self._in_backward = True
                 if layer.name not in self._g_order:
                     self._g_order.append(layer.name)
                 grad = examples_first(grad, batch, self.parts.examples_first)
                 kept = self._kept(grad, batch)
                 with torch.no_grad(), full_precision(grad), self.timer.span("FactorComp", f"{layer.name}/G", "factor"):
-                    packed = self.parts.g_part(
-                        layer,
-                        module,
-                        unscaled(kept, self.grad_scale, self.dtype),
-                        batch,
-                        grad.shape[0] / kept.shape[0],
-                        self._once(layer),
-                    )
-                if cap.g is None:
-                    cap.g = Sum(packed, 1.0 / batch)
-                else:
-                    cap.g.add(packed, 1.0 / batch)
-                if self._last_call(layer, cap.g_total):
-                    self._send(layer, "G", cap)
+                    g, share = unscaled(kept, self.grad_scale, self.dtype), grad.shape[0] / kept.shape[0]
+                    if reduces:  # the pass's calls are all counted once its forward is over
+                        self.held.call_g(layer.name, pass_, g, batch, share, closed=pass_ < self.micro)
+                        return
+                    packed = self.parts.g_part(layer, module, g, batch, share, self._once(layer))
+                self._add("G", layer, packed, batch)
 
             output.register_hook(grad_hook)
 
         return hook
+
+    def _add(self, side: str, layer: KFACLayer, packed: Contribution, n: int) -> None:
+        """Add a part of the layer's A (of ``n`` rows) or G (of ``n`` examples); send it once the step's are in."""
+        cap = self.captures[layer.name]
+        cap.add(side, packed, n)
+        if self._last_call(layer, cap.a_total if side == "A" else cap.g_total):
+            self._send(layer, side, cap)
+
+    def _reduces(self, layer: KFACLayer) -> bool:
+        """Whether the layer's calls are combined per pass (``reduce``; a layer called once needs no holding)."""
+        return self.parts.reduces_calls and (self.uses is None or self.uses.get(layer.name, 0) > 1)
 
     def _examples(self, x: Tensor) -> int:
         return self.examples if self.examples is not None else x.shape[0]
@@ -228,10 +245,7 @@ class Capture:
     def _send(self, layer: KFACLayer, side: str, cap: LayerCapture) -> None:
         factor = cap.a_factor() if side == "A" else cap.g_factor()
         self.handover.offer(side, f"{layer.name}/{side}", factor)  # the communicator times its part as FactorComm
-        if side == "A":
-            cap.a_sent = True
-        else:
-            cap.g_sent = True
+        cap.sent.add(side)
 
     # --- step boundaries ------------------------------------------------------------------------------
 
@@ -249,6 +263,7 @@ class Capture:
             return False
         self._open = False
         self.micro += 1
+        self.held.end_pass()  # fewer calls than the first step's, or the first step's
         for cap in self.captures.values():
             cap.calls_seen.append(cap.a_calls)
             cap.a_calls = 0
@@ -290,6 +305,7 @@ class Capture:
         self.close_forward()
         if self.micro != (self.passes if self.passes is not None else self._passes):
             raise other_passes(self.micro, self.passes)
+        self.held.end_step()  # the first step's, or calls whose output got no gradient
         self._send_rest("G")
         self.handover.close("G", placeholders(self.layers, "G", self.dtype), complete=self.uses is not None)
         if self.uses is not None:
@@ -304,25 +320,22 @@ class Capture:
             cap = self.captures.get(name)
             if cap is None or name not in by_name or (cap.a if side == "A" else cap.g) is None:
                 continue
-            if not (cap.a_sent if side == "A" else cap.g_sent):
+            if side not in cap.sent:
                 self._send(by_name[name], side, cap)
 
     def reset(self) -> None:
         """Forget this step's captures (after the communicate stage returned them)."""
         self.micro = 0
         self.captures = {}
+        self.held.clear()
         self._forward_closed = self._in_backward = self._model_called = False
         self.handover.reset()
 
     def _learn_uses(self) -> list[KFACLayer]:
         """Keep the layers that ran with a gradient on the first step (on some rank), with their calls per pass."""
-        agreed = self.handover.order
-        if agreed["A"] is not None and agreed["G"] is not None:  # several ranks: what ran on any of them
-            ran, got = {layer_of(k) for k in agreed["A"]}, {layer_of(k) for k in agreed["G"]}
-        else:
-            ran = {name for name, cap in self.captures.items() if cap.a is not None}
-            got = {name for name, cap in self.captures.items() if cap.g is not None}
-        uses, dropped = learn_uses(self.layers, ran, got, self._calls, several=agreed["A"] is not None)
+        ran, got = ran_and_got(self.handover.order, self.captures)
+        several = self.handover.order["A"] is not None
+        uses, dropped = learn_uses(self.layers, ran, got, self._calls, several, self.parts.reduces_calls)
         self._keep(uses)
         return dropped
 

@@ -55,6 +55,13 @@ class FactorParts:
         ``rows`` more of the ``width``-wide factor ``key`` (``kfac.factor_exchange=inversion``); ``None``: never."""
         self.examples_first: bool = getattr(factors, "examples_first", False)
         """Whether the stage reduces over positions, and so must see each input examples first."""
+        self.reduces_calls: bool = (
+            getattr(factors, "reduces_calls", False)
+            and all(_offers(factors, "a_rows", name) for name in ("a_factor_rows", "a_factor_packed"))
+            and all(_offers(factors, "g_rows", name) for name in ("g_factor", "g_factor_packed"))
+        )
+        """Whether a layer's calls in one forward pass are reduced (``kfac.factor=reduce``): each example's rows
+        combined over the calls before the product. Not where a stage overrides the factor it makes of its rows."""
         self._row_counts: dict[str, int] = {}
         """Each layer's rows at its last capture (A's and G's are as many)."""
 
@@ -104,3 +111,27 @@ class FactorParts:
         if self._packs_g:
             return self.factors.g_factor_packed(module, grad, batch)  # type: ignore[attr-defined,no-any-return]
         return pack(self.factors.g_factor(module, grad, batch))
+
+    # --- the rows of a layer called several times in one forward pass (reduces_calls) ---------------
+
+    def a_rows(self, module: nn.Module, x: Tensor) -> tuple[Tensor, int]:
+        """A call's reduced rows (one an example) and the uses of the weight each averages."""
+        return own(self.factors.a_rows(module, x), x), self.factors.uses(module, x)  # type: ignore[attr-defined]
+
+    def g_rows(self, module: nn.Module, grad: Tensor) -> Tensor:
+        """A call's output gradients summed over its positions, one row an example."""
+        return own(self.factors.g_rows(module, grad), grad)  # type: ignore[attr-defined,no-any-return]
+
+    def a_part_of_rows(self, layer: KFACLayer, a: Tensor, once: bool) -> tuple[Contribution, int]:
+        """A's part from the rows ``a`` of a forward pass's calls combined (``once``: the step's one pass)."""
+        self._row_counts[layer.name] = a.shape[0]
+        if self._as_rows(layer, "A", layer.a_dim, once):
+            return Rows(a, 1.0 / a.shape[0]), a.shape[0]
+        return self.factors.a_packed_of_rows(a)  # type: ignore[attr-defined,no-any-return]
+
+    def g_part_of_rows(self, layer: KFACLayer, g: Tensor, batch: int, share: float, once: bool) -> Contribution:
+        """G's part from the output gradients ``g`` of a forward pass's calls summed, as :meth:`g_part`'s."""
+        if self._as_rows(layer, "G", layer.g_dim, once):
+            return Rows(g, float(batch) * share)
+        packed = self.factors.g_packed_of_rows(g, batch)  # type: ignore[attr-defined]
+        return packed if share == 1 else packed * share

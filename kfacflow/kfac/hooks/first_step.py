@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 
 from kfacflow import UserError
+from kfacflow.kfac.hooks.layer_sums import LayerCapture
 from kfacflow.kfac.layers import KFACLayer
+from kfacflow.kfac.stages.contracts import layer_of
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +67,24 @@ def merged_calls(gathered: list[tuple[dict[str, int], int]]) -> tuple[dict[str, 
     return calls, passes[0]
 
 
+def ran_and_got(agreed: dict[str, list[str] | None], captures: dict[str, LayerCapture]) -> tuple[set[str], set[str]]:
+    """The layers whose forward ran, and those whose output got a gradient, on any rank.
+
+    Args:
+        agreed: The keys of each side's factors every rank agreed on (``None``: one rank).
+        captures: This rank's captures of the step.
+    """
+    a_keys, g_keys = agreed["A"], agreed["G"]
+    if a_keys is not None and g_keys is not None:
+        return {layer_of(k) for k in a_keys}, {layer_of(k) for k in g_keys}
+    return (
+        {name for name, cap in captures.items() if cap.a is not None},
+        {name for name, cap in captures.items() if cap.g is not None},
+    )
+
+
 def learn_uses(
-    layers: list[KFACLayer], ran: set[str], got: set[str], calls: dict[str, int], several: bool
+    layers: list[KFACLayer], ran: set[str], got: set[str], calls: dict[str, int], several: bool, reduced: bool = False
 ) -> tuple[dict[str, int], list[KFACLayer]]:
     """The layers kept (their forward ran and their output got a gradient), each with its calls per pass; the others.
 
@@ -76,6 +94,7 @@ def learn_uses(
         got: The layers whose output got a gradient (on some rank).
         calls: The most forward calls per pass of each layer that ran.
         several: Whether ``ran`` and ``got`` are of several ranks (for the log).
+        reduced: Whether a layer's calls are reduced (``kfac.factor=reduce``; for the log).
 
     Raises:
         UserError: If no layer is kept.
@@ -92,10 +111,9 @@ def learn_uses(
             continue
         kept.append(layer)
         if calls[layer.name] > 1:
+            how = "each example's uses reduced over them" if reduced else "each call's rows count in A and G"
             logger.info(
-                "K-FAC: %s runs %d times per forward pass (shared weights); each call's rows count in A and G",
-                layer.name,
-                calls[layer.name],
+                "K-FAC: %s runs %d times per forward pass (shared weights); %s", layer.name, calls[layer.name], how
             )
     if not kept:
         raise UserError(

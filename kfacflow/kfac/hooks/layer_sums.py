@@ -70,10 +70,21 @@ class LayerCapture:
     """Forward calls in the step."""
     g_total: int = 0
     """Output gradients in the step."""
-    a_sent: bool = False
-    g_sent: bool = False
+    sent: set[str] = field(default_factory=set)
+    """The sides sent (``"A"``, ``"G"``)."""
     calls_seen: list[int] = field(default_factory=list)
     """Forward calls of every finished forward pass (the first step learns ``uses`` from it)."""
+
+    def add(self, side: str, packed: Contribution, n: int) -> None:
+        """Add a part of A (``side`` ``"A"``) of ``n`` rows, or of G of a forward pass of ``n`` examples."""
+        weight = float(n) if side == "A" else 1.0 / n
+        held = self.a if side == "A" else self.g
+        if held is not None:
+            held.add(packed, weight)
+        elif side == "A":
+            self.a = Sum(packed, weight)
+        else:
+            self.g = Sum(packed, weight)
 
     def a_factor(self) -> Contribution:
         """A over every row of the step."""

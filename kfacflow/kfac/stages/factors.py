@@ -19,7 +19,10 @@ Conventions (the paper's, with a batch-mean loss over the local batch of ``N`` e
   ``a_n = 1/L sum_t a_{n,t}``, ``Dg_n = sum_t Dg_{n,t}``, then as for Linear. A Linear's tokens
   (the positions of a sequence, ``(N, S, E)`` inputs) are reduced the same way: the weight is
   shared across the sequence as a convolution's across the image, and its factors then come from
-  ``N`` rows instead of ``N S``. Capture hands this stage each input examples first.
+  ``N`` rows instead of ``N S``. Capture hands this stage each input examples first. A layer
+  called ``R`` times in one forward pass is reduced over all its uses alike: ``a_n`` the mean of
+  its inputs over every call and position (each call weighted by its positions), ``Dg_n`` the sum
+  of its output gradients over them (capture combines the calls' rows, :meth:`ReduceFactors.uses`).
 
 Averaging these factors over ``P`` workers with ``N`` examples each gives exactly the
 factors of one worker with ``P N`` examples.
@@ -149,7 +152,10 @@ class ExpandFactors:
 
     def a_factor_packed(self, module: nn.Module, x: Tensor) -> tuple[Tensor, int]:
         """Return A's packed upper triangle and its row count (what capture sums and sends)."""
-        a = self.a_rows(module, x)
+        return self.a_packed_of_rows(self.a_rows(module, x))
+
+    def a_packed_of_rows(self, a: Tensor) -> tuple[Tensor, int]:
+        """Return the packed triangle of ``aᵀa / n`` for the ``n`` rows ``a``, and ``n``."""
         n = a.shape[0]
         if a.dtype.itemsize < 4:  # float16's 65504 would overflow in the sum: scale the rows first
             return gram_packed(a, a / n), n
@@ -162,7 +168,11 @@ class ExpandFactors:
 
     def g_factor_packed(self, module: nn.Module, grad_out: Tensor, batch: int) -> Tensor:
         """Return G's packed upper triangle."""
-        return gram_packed(self.g_rows(module, grad_out)).mul_(batch)
+        return self.g_packed_of_rows(self.g_rows(module, grad_out), batch)
+
+    def g_packed_of_rows(self, g: Tensor, batch: int) -> Tensor:
+        """Return the packed triangle of ``batch gᵀg`` for the output gradient's rows ``g``."""
+        return gram_packed(g).mul_(batch)
 
     def a_rows(self, module: nn.Module, x: Tensor) -> Tensor:
         """The rows ``a`` that A is the mean of: ``(rows, a_dim)``, the ones column of a preconditioned bias last."""
@@ -192,10 +202,30 @@ class ExpandFactors:
 
 
 class ReduceFactors(ExpandFactors):
-    """K-FAC-reduce factors: Conv2d patches and a Linear's tokens averaged, output gradients summed over positions."""
+    """K-FAC-reduce factors: every use of the weight in one example reduced, inputs averaged, output gradients summed.
+
+    The uses are a Conv2d's positions and a Linear's tokens within one call, and the calls of one
+    forward pass (a weight shared ``R`` times): capture combines the rows of a layer's calls
+    (``a_rows`` weighted by :meth:`uses`, ``g_rows`` summed) before the product is taken.
+    """
 
     examples_first = True
     """Inputs with positions come examples first (``(N, S, E)``; capture turns ``(S, N, E)`` round)."""
+    reduces_calls = True
+    """A layer called several times in one forward pass has its calls reduced as its positions are."""
+
+    def uses(self, module: nn.Module, x: Tensor) -> int:
+        """How many uses of the weight each row of ``a_rows(module, x)`` averages: tokens, output positions, or 1."""
+        if isinstance(module, nn.Conv2d):
+            pads = module._reversed_padding_repeated_twice  # (left, right, top, bottom): width's first
+            sizes = [
+                (size + pads[2 - 2 * i] + pads[3 - 2 * i] - d * (k - 1) - 1) // s + 1
+                for i, (size, k, s, d) in enumerate(
+                    zip(x.shape[-2:], module.kernel_size, module.stride, module.dilation, strict=True)
+                )
+            ]
+            return sizes[0] * sizes[1]
+        return x.shape[1:-1].numel() if x.dim() > 2 else 1
 
     def _tokens_a(self, x: Tensor) -> Tensor:
         return x.flatten(1, -2).mean(dim=1) if x.dim() > 2 else x.reshape(-1, x.shape[-1])
@@ -219,5 +249,5 @@ FACTORS.add("expand", ExpandFactors, "KFC: each Conv2d output position is a samp
 FACTORS.add(
     "reduce",
     ReduceFactors,
-    "K-FAC-reduce: Conv2d positions and a Linear's tokens reduced first (Eschenhagen et al. 2023)",
+    "K-FAC-reduce: a weight's uses in one example (positions, tokens, calls) reduced first (Eschenhagen et al. 2023)",
 )
