@@ -22,9 +22,8 @@ from torch import Tensor, nn
 from kfacflow import UserError
 from kfacflow.comm.torch_dist import TorchBackend
 from kfacflow.configuration.schema import KFACConfig
-from kfacflow.kfac.layers import find_layers
+from kfacflow.kfac.layers import find_layers, log_left
 from kfacflow.kfac.multihead import HeldAttention, PackedProjection
-from kfacflow.models.checks import log_left_out
 from kfacflow.running import build
 
 DT = torch.float64
@@ -210,7 +209,7 @@ def test_an_encoder_layers_projections_factors_and_update_by_hand(
         torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-12)
         assert not torch.allclose(got, raw[short])
     assert set(model.state_dict()) == set(EncoderHead(batch_first).state_dict())
-    left = log_left_out(model, (p for layer in pre.layers for p in layer.params))
+    left = log_left(model, [p for layer in pre.layers for p in layer.params], ("linear", "conv2d"))
     assert left == ["layer.norm1.weight", "layer.norm1.bias", "layer.norm2.weight", "layer.norm2.bias"]
 
 

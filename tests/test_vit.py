@@ -90,7 +90,8 @@ def test_k_fac_preconditions_every_linear_and_the_patch_embedding_and_says_what_
     messages = [r.getMessage() for r in caplog.records]
     assert [m for m in messages if "to the optimizer alone" in m] == [
         "K-FAC leaves 11 parameter tensors to the optimizer alone: pos_embed.weight, blocks.*.norm1.weight, "
-        "blocks.*.norm1.bias, blocks.*.norm2.weight, blocks.*.norm2.bias, norm.weight, norm.bias"
+        "blocks.*.norm1.bias, blocks.*.norm2.weight, blocks.*.norm2.bias, norm.weight, norm.bias; "
+        "kfac.kinds may add embedding, norm"
     ]
     # no Linear skipped as it was found, none dropped at the first step for a hook that never ran
     assert [m for m in messages if m.startswith("K-FAC skips") or "to the optimizer: " in m] == []

@@ -10,6 +10,7 @@
     python tools/bench.py recipes/resnet18_synthetic.yaml --ablation libraries --intervals 1/10 --cluster  # libraries
     python tools/bench.py recipes/resnet18_synthetic.yaml --ablation exchange --intervals 1/10 --cluster  # exchange
     python tools/bench.py recipes/resnet18_synthetic.yaml --ablation measured --intervals 1/10 --cluster  # measured
+    python tools/bench.py recipes/charlm_gpt.yaml --ablation kinds --intervals 10/100   # each kind of layer's cost
 
 Each configuration runs ``--steps`` steps; the first ``--warmup`` (which must cover the optimal
 fusion's profiling) are discarded and the median of the rest is the step time. With
@@ -141,6 +142,12 @@ CONFIGS: dict[str, dict[str, list[str]]] = {
     "measured": {  # whole layers placed by their estimated preconditioning, or again after timing it
         "flow+rows": ["kfac.variant=flow", "kfac.precondition=rows"],
         "+measured": ["kfac.variant=flow", "kfac.precondition=rows", "kfac.placement_steps=5"],
+    },
+    "kinds": {  # what each kind of layer K-FAC takes (kfac.kinds) adds to the step of the recipe's own optimizer
+        "optimizer": ["kfac.variant=sgd"],
+        "linear": ["kfac.variant=flow", "kfac.kinds=[linear]"],
+        "+conv2d": ["kfac.variant=flow", "kfac.kinds=[linear,conv2d]"],
+        "+norm": ["kfac.variant=flow", "kfac.kinds=[linear,conv2d,norm]"],
     },
     "fig10": {
         "Naive": ["kfac.variant=spd", "kfac.fusion=naive"],
@@ -305,6 +312,7 @@ def table(results: dict[str, dict[str, Any]], ablation: str) -> str:
         "libraries": ("flow+rows", "loop flow+rows"),
         "exchange": ("flow+rows", None),
         "measured": ("flow+rows", None),
+        "kinds": ("optimizer", None),
     }[ablation]
     wide = max(12, *(len(n) for n in names))
     head = f"{'config':<{wide}} {'s/step':>8} {'inside':>8} {'outside':>8} {'gap':>6} "
@@ -335,10 +343,12 @@ def table(results: dict[str, dict[str, Any]], ablation: str) -> str:
         if ref in results and best in results and ref != best:
             ratio = results[best]["step_s"] / results[ref]["step_s"]
             lines.append(f"{best} / {ref}: {ratio:.3f} of the time (speedup {1 / ratio:.2f}x)")
-    if "sgd" in results:  # what a K-FAC step costs over the first-order optimizer's
+    first = "sgd" if "sgd" in results else "optimizer" if "optimizer" in results else None
+    if first:  # what a K-FAC step costs over the first-order optimizer's
         for name in names:
-            if name != "sgd":
-                lines.append(f"{name} / sgd: {results[name]['step_s'] / results['sgd']['step_s']:.2f}x the step")
+            if name != first:
+                ratio = results[name]["step_s"] / results[first]["step_s"]
+                lines.append(f"{name} / {first}: {ratio:.2f}x the step")
     return "\n".join(lines)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import re
 from collections import defaultdict
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
@@ -289,6 +290,23 @@ def kinds_left(model: nn.Module, kinds: tuple[str, ...]) -> tuple[str, ...]:
 
     has = [kind for kind in KINDS if any(counts(kind, m) for m in model.modules())]
     return tuple(sorted(kind for kind in has if kind not in kinds))
+
+
+def log_left(model: nn.Module, preconditioned: list[Tensor], kinds: tuple[str, ...]) -> list[str]:
+    """Log, in one INFO line, the trained parameters K-FAC leaves to the optimizer, and the kinds that would take some.
+
+    Repeated blocks are named once, their indices as ``*`` (``blocks.*.norm1.weight``); the kinds are those the
+    model has that ``kinds`` (``kfac.kinds``) leaves out (:func:`kinds_left`). Returns the names logged.
+    """
+    held = {id(p) for p in preconditioned}
+    names = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+    left = list(dict.fromkeys(re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", n) for n in names))
+    if left:
+        more = kinds_left(model, kinds)
+        hint = f"; kfac.kinds may add {', '.join(more)}" if more else ""
+        tensors = f"{len(names)} parameter tensor{'s' if len(names) > 1 else ''}"
+        logger.info("K-FAC leaves %s to the optimizer alone: %s%s", tensors, ", ".join(left), hint)
+    return left
 
 
 def class_name(module: nn.Module) -> str:

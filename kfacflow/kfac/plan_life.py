@@ -35,13 +35,8 @@ from kfacflow.perf import Profile
 logger = logging.getLogger("kfacflow.kfac.preconditioner")
 
 
-def describe(layers: list[KFACLayer], stages: StageSet, slots: list[FactorSlot], left: tuple[str, ...] = ()) -> None:
-    """Log what K-FAC runs: layers, fusion, placement, inverse method, the largest factor, the shared inverses.
-
-    ``left``: the kinds of layer the model has that ``kfac.kinds`` leaves to the optimizer, named once.
-    """
-    if left:
-        logger.info("kfac.kinds leaves every %s layer to the optimizer", " and ".join(left))
+def describe(layers: list[KFACLayer], stages: StageSet, slots: list[FactorSlot]) -> None:
+    """Log what K-FAC runs: layers, fusion, placement, inverse method, the largest factor, the shared inverses."""
     logger.info(
         "K-FAC on %d layers (%s, %s, %s); largest factor %d; %d of %d inverses on every rank",
         len(layers),

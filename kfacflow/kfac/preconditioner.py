@@ -25,7 +25,7 @@ from kfacflow.kfac.hooks.capture import Capture
 from kfacflow.kfac.hooks.rows import RowCapture
 from kfacflow.kfac.hooks.watch import Claims, ForwardHooks
 from kfacflow.kfac.layer_updates import LayerUpdates
-from kfacflow.kfac.layers import KFACLayer, find_layers, kinds_left
+from kfacflow.kfac.layers import KFACLayer, find_layers, log_left
 from kfacflow.kfac.multihead import HeldAttention
 from kfacflow.kfac.norms import NormDiagonals, find_norms
 from kfacflow.kfac.plan_life import PlanLife, describe, rows_pay
@@ -110,7 +110,8 @@ class Preconditioner:
         self.life = PlanLife(layers, stages, profile, cfg.placement_steps, *parts, make_plan)
         self.norms = NormDiagonals(norms, self.capture, self.engine, self.schedule, self.finite, decay, inverse_dtype)
         self.updates = LayerUpdates(self.state, self.life, self.rows, self.engine, self.norms)
-        describe(layers, stages, self.life.slots, kinds_left(model, tuple(cfg.kinds)))
+        describe(layers, stages, self.life.slots)
+        log_left(model, self.params, tuple(cfg.kinds))
 
     # What callers holding the orchestrator alone (the trainer, the library, tests) read of its rooms.
     running = Delegated[dict[str, Tensor]]("state")

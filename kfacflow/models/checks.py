@@ -11,9 +11,8 @@ hooks it, finds every kind in the same place and says what to change, in one lin
 from __future__ import annotations
 
 import logging
-import re
 import traceback
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -155,21 +154,3 @@ def explained(err: Exception, name: str, data: str, first: bool) -> Exception:
         f"model.name={name} cannot run on this data ({data}): {message}. Raise data.image_size, or choose a model "
         "made for this input size (e.g. resnet20 for 32 px)."
     )
-
-
-def log_left_out(model: nn.Module, preconditioned: Iterable[torch.Tensor]) -> list[str]:
-    """Log, in one INFO line, the trained parameters outside K-FAC's layers (norms, embeddings, tokens).
-
-    K-FAC's own log names the Linear and Conv2d modules it skips; the parameters of other modules, and
-    those a model holds itself (a position embedding, a class token), are the optimizer's alone too.
-    Repeated blocks are named once, their indices as ``*`` (``blocks.*.norm1.weight``).
-
-    Returns:
-        The names logged, in the model's order.
-    """
-    held = {id(p) for p in preconditioned}
-    names = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
-    left = list(dict.fromkeys(re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", n) for n in names))
-    if left:
-        logger.info("K-FAC leaves %d parameter tensors to the optimizer alone: %s", len(names), ", ".join(left))
-    return left

@@ -34,7 +34,7 @@ from kfacflow.kfac.strategies import contracts as strategies
 from kfacflow.kfac.strategies.contracts import StageSet
 from kfacflow.kfac.variants import Stages, resolve
 from kfacflow.models.builtin import build_model, check_kwargs, check_name
-from kfacflow.models.checks import check_input, check_tokens, log_left_out
+from kfacflow.models.checks import check_input, check_tokens
 from kfacflow.optim.optimizers import build_optimizer, build_scheduler
 from kfacflow.perf import Profile
 from kfacflow.running.resume import check_meta, check_model
@@ -278,7 +278,6 @@ def preconditioner(
     planning = profile.for_method(names.inverse) if profile is not None else None
     built = stages(cfg, names, profile)
     kfac = Preconditioner(model, cfg, built, backend, planning, timer, accumulate, batch_dim)
-    log_left_out(model, kfac.params)
     return kfac
 
 
