@@ -5,7 +5,7 @@ value either wins or is refused with one ``error:`` line (never replaced without
 
 - :data:`CONTROLLED` keys decide how time to accuracy is measured and where runs are kept, the same
   for every optimizer: refused, naming the option to use instead (``train.steps`` -> ``--epochs``).
-- The keys an optimizer of ``--optimizers`` is made of (:data:`tta.OPTIMIZERS`) or its grid sweeps:
+- The keys an optimizer of ``--optimizers`` is made of (:data:`tta_optimizers.OPTIMIZERS`) or its grid sweeps:
   refused, naming the ``--optimizers`` or ``--grid`` that gives the value instead.
 - :data:`DEFAULTS` change no time measured: a user's value wins (``train.save=true`` keeps checkpoints).
 """
