@@ -121,7 +121,28 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, out: Any, args: tuple[Any, ...]) -> None:
+GLOO_CONTEXT = mp.get_context("forkserver")
+"""Where :func:`run_in_gloo`'s ranks come from: forked from one server process that imported torch and kfacflow
+once, instead of each rank importing them again (a spawn's 2-3 s of start-up per rank, on most slow tests). The
+server starts at the first call; each rank then takes the caller's environment, ``sys.path`` and working folder,
+as a spawned rank would."""
+GLOO_CONTEXT.set_forkserver_preload(["helpers", "kfacflow.running.trainer", "kfacflow.running.build"])
+
+
+def _entry(
+    fn: Callable[..., Any],
+    rank: int,
+    world: int,
+    port: int,
+    out: Any,
+    args: tuple[Any, ...],
+    caller: tuple[dict[str, str], list[str], str],
+) -> None:
+    env, path, cwd = caller
+    os.environ.clear()
+    os.environ.update(env)
+    sys.path[:] = path
+    os.chdir(cwd)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -139,17 +160,20 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, out: Any, a
 
 
 def run_in_gloo(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` in ``world`` fresh processes and return the results by rank.
+    """Run ``fn(rank, world, *args)`` in ``world`` new processes (:data:`GLOO_CONTEXT`) and return the results by rank.
 
     Each process has the torchrun-style environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT), so
     ``TorchBackend`` joins a real gloo group. ``fn`` must be a module-level function and its
     result picklable. A failure or a hang (past ``timeout`` seconds) fails the test with the
     workers' tracebacks, and no process is left running.
     """
-    ctx = mp.get_context("spawn")
+    ctx = GLOO_CONTEXT
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, out, args), daemon=True) for r in range(world)]
+    caller = (dict(os.environ), list(sys.path), os.getcwd())
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world, port, out, args, caller), daemon=True) for r in range(world)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
