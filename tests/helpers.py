@@ -22,10 +22,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kfacflow.comm.torch_dist import TorchBackend
-from kfacflow.configuration.schema import DistConfig
+from kfacflow.configuration.schema import DistConfig, KFACConfig
 
 if TYPE_CHECKING:
     from kfacflow.kfac.preconditioner import Preconditioner
+    from kfacflow.perf import Profile
     from kfacflow.running.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -224,3 +225,35 @@ def recipe_trainer(out: str, overrides: list[str]) -> Iterator[Trainer]:
         yield Trainer.from_recipe(cfg, backend, run_dir)
     finally:
         backend.close()
+
+
+def variant_steps(
+    backend: TorchBackend,
+    model: nn.Module,
+    cfg: KFACConfig,
+    profile: Profile | None,
+    batches: list[tuple[Tensor, Tensor]],
+    part: slice,
+) -> tuple[list[list[Tensor]], Preconditioner]:
+    """Train ``model`` with K-FAC under ``cfg`` and SGD's momentum (lr 0.1), each step on this rank's ``part`` of a
+    batch, its gradients averaged as ``cfg``'s variant does; return every step's parameters and the preconditioner
+    (still on the model: the caller checks it, then removes it)."""
+    from kfacflow.kfac.variants import resolve
+    from kfacflow.registry import GRAD_SYNCS
+    from kfacflow.running import build
+
+    net = backend.wrap_model(model)
+    pre = build.preconditioner(model, cfg, backend, profile)
+    sync = GRAD_SYNCS.get(resolve(cfg).grad_sync)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    trail = []
+    for x, y in batches:
+        with sync.backward(backend, net, last=True):
+            loss = F.cross_entropy(net(x[part]), y[part])
+            pre.end_forward()
+            loss.backward()
+        pre.step(lr=0.1, gradients=sync.gradients(backend, list(model.parameters())))
+        opt.step()
+        opt.zero_grad()
+        trail.append([p.detach().clone() for p in model.parameters()])
+    return trail, pre

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import QUICK, local_backend, run_in_gloo
+from helpers import QUICK, local_backend, run_in_gloo, variant_steps
 from test_stage_equivalence import PROFILE
 from torch import Tensor, nn
 
@@ -22,8 +22,6 @@ from kfacflow.kfac.layers import find_layers, kinds_left
 from kfacflow.kfac.norms import find_norms
 from kfacflow.kfac.preconditioner import Preconditioner
 from kfacflow.kfac.stages.precondition import clip_scale, v_dot_g
-from kfacflow.kfac.variants import resolve
-from kfacflow.registry import GRAD_SYNCS
 from kfacflow.running import build
 
 DT = torch.float64
@@ -279,23 +277,9 @@ def train_variants(rank: int, world: int, variants: tuple[str, ...]) -> dict[str
     try:
         for variant in variants:
             cfg = KFACConfig(variant=variant, kinds=KINDS, damping=0.01, kl_clip=0.01, inv_update_freq=2)
-            model = Stack().to(DT)
-            net = backend.wrap_model(model)
-            pre = build.preconditioner(model, cfg, backend, PROFILE)
-            sync = GRAD_SYNCS.get(resolve(cfg).grad_sync)
-            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-            trail = []
-            for i in range(STEPS):
-                x, y = data(10 + i, 2 * N)
-                part = slice(rank * local, (rank + 1) * local)
-                with sync.backward(backend, net, last=True):
-                    loss = F.cross_entropy(net(x[part]), y[part])
-                    pre.end_forward()
-                    loss.backward()
-                pre.step(lr=0.1, gradients=sync.gradients(backend, list(model.parameters())))
-                opt.step()
-                opt.zero_grad()
-                trail.append([p.detach().clone() for p in model.parameters()])
+            batches = [data(10 + i, 2 * N) for i in range(STEPS)]
+            part = slice(rank * local, (rank + 1) * local)
+            trail, pre = variant_steps(backend, Stack().to(DT), cfg, PROFILE, batches, part)
             assert sorted(pre.norms.running) == ["body.1", "norm"]
             pre.remove()
             out[variant] = trail

@@ -14,15 +14,13 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import run_in_gloo
+from helpers import run_in_gloo, variant_steps
 from torch import Tensor, nn
 
 from kfacflow.comm.torch_dist import TorchBackend
 from kfacflow.configuration.schema import DistConfig, KFACConfig
 from kfacflow.kfac.preconditioner import Preconditioner
-from kfacflow.kfac.variants import resolve
 from kfacflow.perf import InverseModel, LinearModel, Profile
-from kfacflow.registry import GRAD_SYNCS
 from kfacflow.running import build
 
 DT = torch.float64
@@ -182,27 +180,13 @@ def train_variants(
                 inv_update_freq=2,
                 profile_steps=2,
             )
-            model = make().to(DT)
-            net = backend.wrap_model(model)
-            pre = build.preconditioner(model, cfg, backend, PROFILE)
-            sync = GRAD_SYNCS.get(resolve(cfg).grad_sync)
-            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-            trail = []
+            batches = []
             for i in range(STEPS):
                 gen = torch.Generator().manual_seed(10 + i)
-                x, y = (
-                    torch.randint(0, VOCAB, (world * N, S), generator=gen),
-                    torch.randint(0, C, (world * N,), generator=gen),
-                )
-                part = slice(rank * N, (rank + 1) * N)
-                with sync.backward(backend, net, last=True):
-                    loss = F.cross_entropy(net(x[part]), y[part])
-                    pre.end_forward()
-                    loss.backward()
-                pre.step(lr=0.1, gradients=sync.gradients(backend, list(model.parameters())))
-                opt.step()
-                opt.zero_grad()
-                trail.append([p.detach().clone() for p in model.parameters()])
+                x = torch.randint(0, VOCAB, (world * N, S), generator=gen)
+                batches.append((x, torch.randint(0, C, (world * N,), generator=gen)))
+            part = slice(rank * N, (rank + 1) * N)
+            trail, pre = variant_steps(backend, make().to(DT), cfg, PROFILE, batches, part)
             assert layer in [kept.name for kept in pre.layers]
             pre.remove()
             out[variant] = trail
