@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
 
@@ -223,25 +222,29 @@ def test_signal_writes_a_checkpoint_and_resume_equals_uninterrupted(tmp_path: Pa
     assert 0 < stopped_at < 200 and summary["stopped_by"] == signal.Signals(sig).name
     assert (run_dir / "checkpoints" / f"step_{stopped_at:08d}.pt").is_file()
 
-    commands = {  # the resumed run and an uninterrupted one, side by side (each is mostly start-up)
-        "resumed": [f"resume={run_dir}", "train.progress=false"],
-        "straight": [QUICK, *common, "train.progress=false", f"out_dir={tmp_path / 'straight'}"],
-    }
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {
-            name: pool.submit(
-                subprocess.run,
-                [sys.executable, str(ROOT / "run.py"), *args],
-                cwd=ROOT,
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
-            for name, args in commands.items()
-        }
-        for name, future in futures.items():
-            done = future.result()
-            assert done.returncode == 0, f"{name}: {done.stderr[-3000:]}"
+    resumed = subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), f"resume={run_dir}", "train.progress=false"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    straight = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "run.py"),
+            QUICK,
+            *common,
+            "train.progress=false",
+            f"out_dir={tmp_path / 'straight'}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert straight.returncode == 0, straight.stderr[-3000:]
     final = torch.load(run_dir / "checkpoints" / "step_00000200.pt", weights_only=False)["model"]
     (ref_dir,) = (tmp_path / "straight" / "quickstart").iterdir()
     ref = torch.load(ref_dir / "checkpoints" / "step_00000200.pt", weights_only=False)["model"]
