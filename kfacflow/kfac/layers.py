@@ -197,10 +197,9 @@ class KFACLayer:
         assert weight.grad is not None
         if self.embedding:
             weight.grad.copy_(mat.T)
+            # The padding row is never trained, as PyTorch keeps it (reduce's A mixes tokens: the update would not).
             padding = getattr(self.module, "padding_idx", None)
-            if (
-                padding is not None
-            ):  # never trained, as PyTorch keeps it (reduce's A mixes tokens: the update would not)
+            if padding is not None:
                 weight.grad[padding] = 0
             return
         if self.has_bias:

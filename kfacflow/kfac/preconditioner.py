@@ -88,9 +88,10 @@ class Preconditioner:
                 "kfac: the model has no Linear or Conv2d layer K-FAC can precondition "
                 "(check kfac.skip, or use kfac.variant=sgd)."
             )
-        self.claims = Claims({layer.name: layer.module for layer in layers} | {n.name: n.module for n in norms})
+        modules = {layer.name: layer.module for layer in layers}
+        self.claims = Claims(modules | {norm.name: norm.module for norm in norms})
         try:  # MultiheadAttention modules call their projections as modules from here on (until remove())
-            self.attention = HeldAttention(model, {layer.name: layer.module for layer in layers})
+            self.attention = HeldAttention(model, modules)
         except UserError:
             self.claims.release()
             raise
