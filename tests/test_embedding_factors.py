@@ -13,7 +13,8 @@ from kfacflow import UserError
 from kfacflow.comm.torch_dist import TorchBackend
 from kfacflow.configuration.rules import kfac_section
 from kfacflow.configuration.schema import KFACConfig
-from kfacflow.kfac.layers import EMBEDDING_ROWS, find_layers, kinds_left
+from kfacflow.kfac.layers import EMBEDDING_ROWS, find_layers
+from kfacflow.kfac.left_out import kinds_left
 from kfacflow.kfac.preconditioner import Preconditioner
 from kfacflow.running import build
 

@@ -22,7 +22,8 @@ from torch import Tensor, nn
 from kfacflow import UserError
 from kfacflow.comm.torch_dist import TorchBackend
 from kfacflow.configuration.schema import KFACConfig
-from kfacflow.kfac.layers import find_layers, log_left
+from kfacflow.kfac.layers import find_layers
+from kfacflow.kfac.left_out import log_left
 from kfacflow.kfac.multihead import HeldAttention, PackedProjection
 from kfacflow.running import build
 

@@ -18,7 +18,8 @@ from kfacflow.comm.torch_dist import TorchBackend
 from kfacflow.configuration.recipe import load
 from kfacflow.configuration.rules import kfac_section
 from kfacflow.configuration.schema import DistConfig, KFACConfig
-from kfacflow.kfac.layers import find_layers, kinds_left
+from kfacflow.kfac.layers import find_layers
+from kfacflow.kfac.left_out import kinds_left
 from kfacflow.kfac.norms import find_norms
 from kfacflow.kfac.preconditioner import Preconditioner
 from kfacflow.kfac.stages.precondition import clip_scale, v_dot_g

@@ -241,7 +241,7 @@ class DistConfig:
     kfacflow averages the gradients itself (``flow``'s) such parameters are always counted."""
 
 
-LAYER_KINDS = ("linear", "conv2d", "embedding", "norm")
+LAYER_KINDS = ("linear", "conv2d", "embedding", "norm", "tied")
 """The kinds of layer ``kfac.kinds`` may name."""
 
 
@@ -328,8 +328,9 @@ class KFACConfig:
     ``in_proj`` too, the latter named ``<module>.in_proj``), ``conv2d``, ``embedding`` (an ``nn.Embedding`` of at most
     8192 rows, as a Linear on one-hot tokens: its A counts how often each token was seen), ``norm`` (the scale and
     shift of an ``nn.LayerNorm`` or ``nn.RMSNorm``, by a diagonal Fisher of per-example gradients, as kfac-jax's
-    scale-and-shift blocks: ``grad / (D + damping)``). Every other parameter is the optimizer's alone; a layer of a
-    kind left out is named once in the log."""
+    scale-and-shift blocks: ``grad / (D + damping)``), ``tied`` (one weight used as an ``nn.Embedding`` and as an
+    ``nn.Linear`` head, a tied LM head: both uses' Kronecker blocks summed and that sum inverted exactly). Every
+    other parameter is the optimizer's alone; a layer of a kind left out is named once in the log."""
     factor_dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = "auto"
     """What factors are computed, all-reduced and averaged in; ``auto``: the parameters' (float32 under mixed
     precision: activations of the autocast forward are cast up first). Half precision only when named here."""

@@ -1,4 +1,4 @@
-"""The precondition phase of a step: each layer's update, timed, through the broadcast; the norms'; KL clipping."""
+"""The precondition phase of a step: each layer's update, timed, through the broadcast; the side blocks'; KL clip."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from kfacflow.kfac.stages.contracts import PreconditionStage
 if TYPE_CHECKING:
     from kfacflow.kfac.gradients import Gradients
     from kfacflow.kfac.hooks.rows import RowCapture
-    from kfacflow.kfac.norms import NormDiagonals
     from kfacflow.kfac.plan_life import PlanLife
+    from kfacflow.kfac.side_blocks import SideBlocks
     from kfacflow.kfac.state import FactorState
     from kfacflow.kfac.strategies.contracts import Engine, Sent
 
@@ -25,16 +25,16 @@ class LayerUpdates:
     The broadcast strategy preconditions the layers (:meth:`precondition`), applying what this
     gives it (:class:`~kfacflow.kfac.strategies.contracts.Apply`). Each layer is timed for the trace, and for
     the placement while the plan's life measures the layers (:class:`~kfacflow.kfac.planning.measured.LayerTimes`).
-    The norms' updates (:class:`~kfacflow.kfac.norms.NormDiagonals`) join the layers' in the stage's
-    ``finish`` (KL clipping, ``kfac.normalize``), which leaves a scale a step, summed on the device until
-    :meth:`mean_clip_scale` reads it.
+    The side blocks' updates (the norms, the tied weights: :mod:`~kfacflow.kfac.side_blocks`) join the layers' in
+    the stage's ``finish`` (KL clipping, ``kfac.normalize``), which leaves a scale a step, summed on the device
+    until :meth:`mean_clip_scale` reads it.
     """
 
     def __init__(
-        self, state: FactorState, life: PlanLife, rows: RowCapture, engine: Engine, norms: NormDiagonals | None = None
+        self, state: FactorState, life: PlanLife, rows: RowCapture, engine: Engine, sides: SideBlocks | None = None
     ) -> None:
         self.state, self.life, self.rows, self.engine, self.timer = state, life, rows, engine, engine.timer
-        self.norms = norms
+        self.sides = sides
         self.clip_sum: tuple[Tensor, int] | None = None
         """The sum of the steps' KL clipping factors since :meth:`mean_clip_scale` last read it, and their count."""
 
@@ -70,7 +70,7 @@ class LayerUpdates:
             self.state, self.life, self.engine, self, live, sent, stages.pipeline.early
         )
         stage = self.stage
-        pairs = self.norms.pairs() if self.norms is not None else []  # the gradients are averaged by now
+        pairs = self.sides.pairs() if self.sides is not None else []  # the gradients are averaged by now
         if stage.clips:
             contributions = [*contributions, *(stage.contribution(v, g) for v, g in pairs)]
         final = stage.finish([updates[layer.name] for layer, _ in live] + [v for v, _ in pairs], contributions, lr)
@@ -80,8 +80,8 @@ class LayerUpdates:
             self.clip_sum = (scale + total, n + 1)
         for (layer, _), update in zip(live, final[: len(live)], strict=True):
             layer.set_grad(update)
-        if self.norms is not None:
-            self.norms.set_grads(final[len(live) :])
+        if self.sides is not None:
+            self.sides.set_grads(final[len(live) :])
 
     def mean_clip_scale(self) -> float | None:
         """The mean factor KL clipping scaled the updates by over the steps since the last call (1: none was clipped).

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-import re
 from collections import defaultdict
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
@@ -46,7 +45,8 @@ KINDS: dict[str, type[nn.Module] | tuple[type[nn.Module], ...]] = {
     "embedding": nn.Embedding,
     "norm": NORMS,
 }
-"""The modules each of ``kfac.kinds`` names (subclasses too, where their forward is the parent's)."""
+"""The modules each of ``kfac.kinds`` names (subclasses too, where their forward is the parent's); and ``tied``
+(an embedding and a Linear head sharing their weight: :mod:`~kfacflow.kfac.tied`)."""
 
 # Subclasses whose forward K-FAC knows, by (defining module, class): recognised by name so that
 # kfacflow does not import timm. timm.models.layers held them before timm 0.9.
@@ -234,7 +234,7 @@ def skip_reason(name: str, module: nn.Module, users: dict[int, list[str]]) -> st
     """
     if forward_kind(module) is None:
         return OWN_FORWARD
-    if isinstance(module, nn.Embedding) and (reason := _embedding_reason(module)):
+    if isinstance(module, nn.Embedding) and (reason := embedding_reason(module)):
         return reason
     if parametrize.is_parametrized(module):
         return "it is parametrized (e.g. weight_norm, spectral_norm), so its weight is computed from other parameters"
@@ -262,7 +262,7 @@ def skip_reason(name: str, module: nn.Module, users: dict[int, list[str]]) -> st
     return None
 
 
-def _embedding_reason(module: nn.Embedding) -> str | None:
+def embedding_reason(module: nn.Embedding) -> str | None:
     """Why an embedding's factors would not describe its gradient (or cost too much), or None."""
     if module.sparse:
         return "its gradient is sparse (sparse=True)"
@@ -281,33 +281,6 @@ def affine_trained(module: nn.Module) -> list[Tensor]:
     return [p for p in params if isinstance(p, nn.Parameter) and p.requires_grad]
 
 
-def kinds_left(model: nn.Module, kinds: tuple[str, ...]) -> tuple[str, ...]:
-    """The kinds of layer ``model`` has that ``kinds`` (``kfac.kinds``) leaves to the optimizer (a norm: if trained)."""
-
-    def counts(kind: str, module: nn.Module) -> bool:
-        return isinstance(module, KINDS[kind]) and (kind != "norm" or bool(affine_trained(module)))
-
-    has = [kind for kind in KINDS if any(counts(kind, m) for m in model.modules())]
-    return tuple(sorted(kind for kind in has if kind not in kinds))
-
-
-def log_left(model: nn.Module, preconditioned: list[Tensor], kinds: tuple[str, ...]) -> list[str]:
-    """Log, in one INFO line, the trained parameters K-FAC leaves to the optimizer, and the kinds that would take some.
-
-    Repeated blocks are named once, their indices as ``*`` (``blocks.*.norm1.weight``); the kinds are those the
-    model has that ``kinds`` (``kfac.kinds``) leaves out (:func:`kinds_left`). Returns the names logged.
-    """
-    held = {id(p) for p in preconditioned}
-    names = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
-    left = list(dict.fromkeys(re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", n) for n in names))
-    if left:
-        more = kinds_left(model, kinds)
-        hint = f"; kfac.kinds may add {', '.join(more)}" if more else ""
-        tensors = f"{len(names)} parameter tensor{'s' if len(names) > 1 else ''}"
-        logger.info("K-FAC leaves %s to the optimizer alone: %s%s", tensors, ", ".join(left), hint)
-    return left
-
-
 def class_name(module: nn.Module) -> str:
     """The module's class as a log line names it: torch's by its name alone, others with their module."""
     cls = type(module)
@@ -323,7 +296,8 @@ def find_layers(
         model: The network (not wrapped in DDP).
         skip: fnmatch patterns of module names to leave alone.
         kinds: The kinds of layer to precondition (``kfac.kinds``, keys of :data:`KINDS`).
-        others: The names of the other modules K-FAC would precondition (the norms), which a pattern may match.
+        others: The names of the modules K-FAC preconditions otherwise (the norms, the tied embeddings and heads):
+            a pattern may match them, and they are not candidates here.
 
     Returns:
         The preconditioned layers: modules of the ``kinds`` asked (and the known subclasses) for which
@@ -337,6 +311,8 @@ def find_layers(
     """
     layers, candidates, used = [], [], set()
     for name, module, reason in _candidates(model, kinds):
+        if name in others:
+            continue
         hits = [pat for pat in skip if fnmatch.fnmatchcase(name, pat)]
         trained = reason is None and bool(module.weight.requires_grad)
         if trained:
@@ -364,7 +340,7 @@ def _candidates(model: nn.Module, kinds: tuple[str, ...]) -> Iterator[tuple[str,
     the module itself, with :func:`~kfacflow.kfac.multihead.in_proj_reason`'s reason).
     """
     users = param_users(model)
-    taken = tuple(KINDS[kind] for kind in kinds)
+    taken = tuple(KINDS[kind] for kind in kinds if kind in KINDS)
     left: set[int] = set()
     for name, module in model.named_modules():
         if isinstance(module, nn.MultiheadAttention) and "linear" in kinds:

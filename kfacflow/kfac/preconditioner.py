@@ -25,17 +25,20 @@ from kfacflow.kfac.hooks.capture import Capture
 from kfacflow.kfac.hooks.rows import RowCapture
 from kfacflow.kfac.hooks.watch import Claims, ForwardHooks
 from kfacflow.kfac.layer_updates import LayerUpdates
-from kfacflow.kfac.layers import KFACLayer, find_layers, log_left
+from kfacflow.kfac.layers import KFACLayer, find_layers
+from kfacflow.kfac.left_out import log_left
 from kfacflow.kfac.multihead import HeldAttention
 from kfacflow.kfac.norms import NormDiagonals, find_norms
 from kfacflow.kfac.plan_life import PlanLife, describe, rows_pay
 from kfacflow.kfac.planning.measured import LayerTimes
 from kfacflow.kfac.planning.plan import StepPlan, make_plan
 from kfacflow.kfac.planning.schedule import Schedule
+from kfacflow.kfac.side_blocks import SideBlocks
 from kfacflow.kfac.stages.contracts import FactorSlot
 from kfacflow.kfac.stages.inverse import Inverse
 from kfacflow.kfac.state import FactorState, dtypes
 from kfacflow.kfac.strategies.contracts import Engine, StageSet
+from kfacflow.kfac.tied import TiedWeights, find_tied
 from kfacflow.perf import Profile
 from kfacflow.timing import StepTimer
 
@@ -81,15 +84,19 @@ class Preconditioner:
         # Without a training loop's timer nothing closes a step: time nothing (no spans, no CUDA events).
         self.timer = timer or StepTimer(backend.device, enabled=False)
         self.engine = Engine(backend, self.timer)
-        norms = find_norms(model, list(cfg.skip), tuple(cfg.kinds))
-        layers = find_layers(model, list(cfg.skip), tuple(cfg.kinds), [norm.name for norm in norms])
+        kinds = tuple(cfg.kinds)
+        norms, tied = find_norms(model, list(cfg.skip), kinds), find_tied(model, list(cfg.skip), kinds)
+        beside = {norm.name: norm.module for norm in norms} | {
+            layer.name: layer.module for pair in tied for layer in (pair.embedding, pair.head)
+        }
+        layers = find_layers(model, list(cfg.skip), kinds, beside)
         if not layers:
             raise UserError(
                 "kfac: the model has no Linear or Conv2d layer K-FAC can precondition "
                 "(check kfac.skip, or use kfac.variant=sgd)."
             )
         modules = {layer.name: layer.module for layer in layers}
-        self.claims = Claims(modules | {norm.name: norm.module for norm in norms})
+        self.claims = Claims(modules | beside)
         try:  # MultiheadAttention modules call their projections as modules from here on (until remove())
             self.attention = HeldAttention(model, modules)
         except UserError:
@@ -109,10 +116,12 @@ class Preconditioner:
         # The planner by this module's name: what a caller wraps to count or vary the plans.
         parts = (self.engine, self.schedule, self.state, self.capture, self.rows, self.claims, comm)
         self.life = PlanLife(layers, stages, profile, cfg.placement_steps, *parts, make_plan)
-        self.norms = NormDiagonals(norms, self.capture, self.engine, self.schedule, self.finite, decay, inverse_dtype)
-        self.updates = LayerUpdates(self.state, self.life, self.rows, self.engine, self.norms)
+        beside_parts = (self.capture, self.engine, self.schedule, self.finite, decay, inverse_dtype)
+        self.norms, self.tied = NormDiagonals(norms, *beside_parts), TiedWeights(tied, *beside_parts)
+        self.sides = SideBlocks({"norms": self.norms, "tied": self.tied})
+        self.updates = LayerUpdates(self.state, self.life, self.rows, self.engine, self.sides)
         describe(layers, stages, self.life.slots)
-        log_left(model, self.params, tuple(cfg.kinds))
+        log_left(model, self.params, kinds)
 
     # What callers holding the orchestrator alone (the trainer, the library, tests) read of its rooms.
     running = Delegated[dict[str, Tensor]]("state")
@@ -140,8 +149,8 @@ class Preconditioner:
 
     @property
     def params(self) -> list[Tensor]:
-        """Every parameter preconditioned: the layers' weights and trained biases, the norms' scales and shifts."""
-        return [p for layer in self.layers for p in layer.params] + self.norms.params
+        """Every parameter preconditioned: the layers' weights and trained biases, the side blocks' (norms, tied)."""
+        return [p for layer in self.layers for p in layer.params] + self.sides.params
 
     def reconfigure(self, stages: StageSet, profile: Profile | None = None) -> None:
         """Run other stages from the next step on (between steps; the mathematics is the same).
@@ -191,7 +200,7 @@ class Preconditioner:
         if gradients is not None:  # not averaged yet: the layers that go by rows rebuild theirs from them
             gradients.leave(self.rows.leave(self.layers))
         arrivals = self._arrivals(gradients)
-        self.norms.launch()  # behind the factors and the gradients
+        self.sides.launch()  # behind the factors and the gradients
         sends, exchange = self.sends_factors(), self.state.exchange
         exchange.opening(self.backend, sends)
         self.rows.post(self.layers)  # behind the factors on the link
@@ -209,7 +218,7 @@ class Preconditioner:
         if gradients is not None:
             gradients.wait()
         self.state.exchange.drop()
-        self.norms.reset()
+        self.sides.reset()
         self._next_step(refreshed=False)
 
     def set_intervals(self, factor_update_freq: int, inv_update_freq: int) -> None:
@@ -285,7 +294,7 @@ class Preconditioner:
         inverses = self.stages.broadcast.every_inverse(self.state, self.life, self.engine)
         state = state_of(inverses, self.life.every_average(), self.steps, self.capture)
         state["clip_sum"] = self.updates.saved()
-        state["norms"] = self.norms.saved()
+        state.update(self.sides.saved())
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -306,13 +315,13 @@ class Preconditioner:
         holds = lambda key: self.stages.broadcast.holds(owners.get(key), self.backend.rank)  # noqa: E731
         self.state.restore(state, holds, self.stages.factor_exchange, self.capture)
         self.updates.restore(state.get("clip_sum"), self.backend.device)
-        self.norms.restore(state.get("norms"))
+        self.sides.restore(state)
         self.capture.active = self.schedule.factors()
 
     def remove(self) -> None:
         """Remove the hooks (another preconditioner may then take the model)."""
         self.capture.remove()
-        self.norms.remove()
+        self.sides.remove()
         self.rows.remove()
         self.hooks.remove()
         self.attention.remove()
