@@ -21,6 +21,7 @@ OPTIMIZERS = {
     "flow_rms": ["optim.name=sgd", "kfac.variant=flow", *TEN_HUNDRED, "kfac.normalize=rms"],
     "recipe": [],
     "recipe_norm": ["kfac.kinds=[linear,conv2d,norm]"],
+    "recipe_tied": ["kfac.kinds=[linear,conv2d,tied]"],
 }
 """What makes each optimizer of the comparison out of the recipe: K-FAC with factors every step and inverses
 every 10 (kfac-pytorch's CIFAR-10 defaults), or ``flow_10_100``: every 10 and 100 (its ImageNet defaults);
@@ -29,7 +30,8 @@ every 10 (kfac-pytorch's CIFAR-10 defaults), or ``flow_10_100``: every 10 and 10
 and filters, AdamW for the rest (``optim.name=muon``), ``flow_muon`` the same over K-FAC's preconditioned
 gradients (every other K-FAC one takes SGD's step, whatever the recipe's optimizer); ``flow_rms``: each layer's
 preconditioned update at RMS 1 (``kfac.normalize=rms``); ``recipe``: the recipe as it is (its own K-FAC
-settings), ``recipe_norm`` the same with the norms' scale and shift preconditioned too (``kfac.kinds``)."""
+settings), ``recipe_norm`` the same with the norms' scale and shift preconditioned too (``kfac.kinds``),
+``recipe_tied`` with a tied LM head's weight preconditioned too."""
 GRIDS = {
     "sgd": "optim.lr:0.05,0.1,0.2",
     "adamw": "optim.lr:0.001,0.003",
@@ -39,6 +41,7 @@ GRIDS = {
     "flow_rms": "optim.lr:0.001,0.003,0.01;kfac.damping:0.1",
     "recipe": "",
     "recipe_norm": "",
+    "recipe_tied": "",
 }
 """The default sweeps: the rates each optimizer is usually run at on small image models (every K-FAC one alike;
 Muon's: the speedruns' 0.02-0.05 and its momentum at 0.9 and 0.95); ``recipe``: none."""
