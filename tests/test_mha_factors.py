@@ -228,7 +228,7 @@ class Decoder(nn.Module):
         return self.head(self.dec(x, self.memory(x.flip(1))).mean(dim=1))  # type: ignore[no-any-return]
 
 
-def test_cross_attentions_in_proj_is_left_out_with_its_reason_and_the_rest_trains(
+def test_cross_attentions_in_proj_leaves_the_pipelines_for_its_row_blocks_and_the_rest_trains(
     backend: TorchBackend, caplog: pytest.LogCaptureFixture
 ) -> None:
     model = Decoder().to(DT)
@@ -244,7 +244,8 @@ def test_cross_attentions_in_proj_is_left_out_with_its_reason_and_the_rest_train
     assert "dec.self_attn.in_proj" in names and "dec.multihead_attn.out_proj" in names
     assert "dec.multihead_attn.in_proj" not in names
     lines = [r.message for r in caplog.records if "dec.multihead_attn.in_proj" in r.message]
-    assert len(lines) == 1 and "cross-attention" in lines[0]
+    assert len(lines) == 1 and "takes dec.multihead_attn.in_proj otherwise" in lines[0]
+    assert set(pre.cross.inverses) == {f"dec.multihead_attn.in_proj.{b}" for b in "qkv"}
     pre.remove()
     assert not any("forward" in vars(m) for m in model.modules())
 

@@ -17,9 +17,8 @@ from kfacflow import UserError
 from kfacflow.comm.torch_dist import TorchBackend
 from kfacflow.configuration.schema import DistConfig, KFACConfig
 from kfacflow.kfac.left_out import kinds_left
-from kfacflow.kfac.packing import unpack
 from kfacflow.kfac.preconditioner import Preconditioner
-from kfacflow.kfac.tied import SIDES, apply_inverse, find_tied, generalized, joint_inverse
+from kfacflow.kfac.tied import apply_inverse, find_tied, generalized, joint_inverse
 from kfacflow.running import build
 
 DT = torch.float64
@@ -58,19 +57,28 @@ def step(model: nn.Module, pre: Preconditioner, x: Tensor, y: Tensor, lr: float 
     pre.step(lr=lr)
 
 
-def running(pre: Preconditioner, name: str = "tok.weight") -> list[Tensor]:
+SIDES = ("A_e", "G_e", "A_h", "G_h")
+
+
+def running(pre: Preconditioner) -> list[Tensor]:
     """The pair's four running factors as full matrices: A_e, G_e, A_h, G_h."""
-    dims = pre.tied.tied[0].dims()
-    return [unpack(pre.tied.running[f"{name}/{side}"], d) for side, d in zip(SIDES, dims, strict=True)]
+    pair = pre.tied.tied[0]
+    uses = ((pair.embedding, "A"), (pair.embedding, "G"), (pair.head, "A"), (pair.head, "G"))
+    return [pre.tied.factor(layer, side) for layer, side in uses]  # type: ignore[misc]
 
 
 def by_hand(model: TiedLM, x: Tensor, y: Tensor) -> list[Tensor]:
     """The four factors from their definitions (expand): A the mean of every token's row, G = N sum g g^T."""
     outs: dict[str, Tensor] = {}
-    hooks = [
-        m.register_forward_hook(lambda mod, args, out, key=key: outs.__setitem__(key, out) or out.retain_grad())
-        for key, m in (("tok", model.tok), ("head", model.head))
-    ]
+
+    def keep(key: str) -> Any:
+        def hook(module: nn.Module, args: Any, out: Tensor) -> None:
+            out.retain_grad()
+            outs[key] = out
+
+        return hook
+
+    hooks = [m.register_forward_hook(keep(key)) for key, m in (("tok", model.tok), ("head", model.head))]
     inputs: dict[str, Tensor] = {}
     hooks.append(model.head.register_forward_pre_hook(lambda mod, args: inputs.__setitem__("head", args[0].detach())))
     model.zero_grad()
@@ -228,8 +236,8 @@ def test_a_checkpoint_mid_run_resumes_as_the_uninterrupted_run(backend: TorchBac
     for p, q in zip(model.parameters(), whole, strict=True):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
     pre.remove()
-    saved["kfac"]["tied"]["running"]["tok.weight/A_e"] = torch.ones(3, dtype=DT)
-    with pytest.raises(UserError, match="factor 'tok.weight/A_e' of a tied weight does not fit"):
+    saved["kfac"]["tied"]["running"]["tok/A"] = torch.ones(3, dtype=DT)
+    with pytest.raises(UserError, match="factor 'tok/A' of a tied weight does not fit"):
         build.preconditioner(TiedLM(bias=True).to(DT), cfg, backend).load_state_dict(saved["kfac"])
 
 

@@ -11,11 +11,12 @@ input projection as a :class:`PackedProjection`: an ``nn.Linear`` holding the mo
 - **Self-attention** (the call's query, key and value one tensor, as in ``nn.TransformerEncoderLayer``):
   ``in_proj`` is one Linear on that input, exactly.
 - **Other calls** (cross-attention, an encoder-decoder's memory): the packed weight's row blocks see
-  different inputs. Preconditioning them as layers of their own would split one Parameter between
-  layers, which the routes of gradients to their owners and the rows of ``kfac.precondition=rows``
-  take whole, so ``in_proj`` of a module called that way is left to the optimizer (its reason in the
-  first step's INFO line); its ``out_proj`` is preconditioned all the same. A module called both ways
-  is an error, never a silent mismatch.
+  different inputs, so they are called as three modules (:class:`RowBlock`: query, key, value), each a
+  Linear on its own input, which are preconditioned beside the pipelines
+  (:mod:`~kfacflow.kfac.cross_attention`: the routes of gradients to their owners and the rows of
+  ``kfac.precondition=rows`` take a Parameter whole, never a slice); ``in_proj`` itself then never runs
+  and leaves the pipelines on the first step, with a line saying where its blocks went. A module
+  called both ways is an error, never a silent mismatch.
 - **Outside training** (eval mode, or no gradients) the class's own forward runs, fast path included:
   no hook captures then. Nested tensors, which only that fast path takes, go there too.
 
@@ -86,14 +87,46 @@ class PackedProjection(nn.Linear):
         module: The MultiheadAttention (:func:`attention_reason` and :func:`in_proj_reason` find nothing).
     """
 
-    left_out: str | None = None
-    """Why its forward never ran, where :class:`ModuleCalls` knows (calls that were not self-attention)."""
+    elsewhere: str | None = None
+    """Where its weight went instead when its forward never ran (its row blocks, in cross-attention)."""
 
     def __init__(self, module: nn.MultiheadAttention) -> None:
         nn.Module.__init__(self)  # not nn.Linear's: it would allocate a weight only to drop it
         self.in_features, self.out_features = module.embed_dim, 3 * module.embed_dim
         self.weight = module.in_proj_weight
         self.register_parameter("bias", module.in_proj_bias)
+
+
+class RowBlock(nn.Module):
+    """One row block of a MultiheadAttention's packed projection (``E`` rows: query 0, key 1, value 2) as a Linear.
+
+    Its ``weight`` and ``bias`` are views of the module's ``in_proj_weight`` and ``in_proj_bias``, taken at each
+    use (their gradients land in the module's); not registered anywhere.
+
+    Args:
+        module: The MultiheadAttention.
+        index: Which block: 0, 1 or 2.
+    """
+
+    def __init__(self, module: nn.MultiheadAttention, index: int) -> None:
+        super().__init__()
+        self.rows = slice(index * module.embed_dim, (index + 1) * module.embed_dim)
+        self.held = (module,)  # in a tuple: not a child module, so the model's walks never reach it twice
+
+    @property
+    def weight(self) -> Tensor:
+        """The block's rows of ``in_proj_weight``."""
+        return self.held[0].in_proj_weight[self.rows]
+
+    @property
+    def bias(self) -> Tensor | None:
+        """The block's part of ``in_proj_bias`` (None where the module has none)."""
+        bias = self.held[0].in_proj_bias
+        return None if bias is None else bias[self.rows]
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x W_block^T + b_block``."""
+        return F.linear(x, self.weight, self.bias)
 
 
 class ModuleCalls:
@@ -107,6 +140,8 @@ class ModuleCalls:
 
     def __init__(self, module: nn.MultiheadAttention, name: str, in_proj: PackedProjection | None) -> None:
         self.module, self.name, self.in_proj = module, name, in_proj
+        self.blocks = None if in_proj is None else (RowBlock(module, 0), RowBlock(module, 1), RowBlock(module, 2))
+        """The row blocks called as modules in cross-attention (where ``in_proj`` is preconditioned)."""
         self.mode: str | None = None
         """``"self"`` or ``"cross"``: how the first training call used ``in_proj`` (every later one must agree)."""
 
@@ -137,8 +172,8 @@ class ModuleCalls:
         masks = (key_padding_mask, attn_mask, is_causal)
         return attend(module, in_proj, (query, key, value), masks, need_weights, average_attn_weights)
 
-    def _in_proj(self, self_attention: bool) -> PackedProjection | None:
-        """The projection to call as a module for this call, or None (computed from the weight)."""
+    def _in_proj(self, self_attention: bool) -> PackedProjection | tuple[RowBlock, ...] | None:
+        """The projection (or its row blocks) to call as modules for this call, or None (computed from the weight)."""
         if self.in_proj is None:
             return None
         if self_attention and self.mode != "cross":
@@ -153,11 +188,12 @@ class ModuleCalls:
             )
         if self.mode is None:
             self.mode = "cross"
-            self.in_proj.left_out = (
+            self.in_proj.elsewhere = (
                 f"{self.name} (MultiheadAttention) is called with a query, key and value that are not one tensor "
-                "(cross-attention), and its packed in_proj is one Linear on one input only in self-attention"
+                "(cross-attention): its packed in_proj's query, key and value rows are three layers instead, "
+                "preconditioned beside the pipelines"
             )
-        return None
+        return self.blocks
 
 
 def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -168,10 +204,14 @@ def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
 
 
 def _projected(
-    module: nn.MultiheadAttention, in_proj: PackedProjection | None, qkv: tuple[Tensor, Tensor, Tensor]
+    module: nn.MultiheadAttention,
+    in_proj: PackedProjection | tuple[RowBlock, ...] | None,
+    qkv: tuple[Tensor, Tensor, Tensor],
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Queries, keys and values: the packed weight's row blocks on query, key and value (each ``(N, L, E)``)."""
     query, key, value = qkv
+    if isinstance(in_proj, tuple):
+        return in_proj[0](query), in_proj[1](key), in_proj[2](value)
     if in_proj is not None:
         return in_proj(query).chunk(3, dim=-1)  # type: ignore[no-any-return]
     weight, bias = module.in_proj_weight, module.in_proj_bias
@@ -190,7 +230,7 @@ def _projected(
 
 def attend(
     module: nn.MultiheadAttention,
-    in_proj: PackedProjection | None,
+    in_proj: PackedProjection | tuple[RowBlock, ...] | None,
     qkv: tuple[Tensor, Tensor, Tensor],
     masks: tuple[Tensor | None, Tensor | None, bool],
     need_weights: bool,
@@ -203,7 +243,8 @@ def attend(
 
     Args:
         module: The MultiheadAttention.
-        in_proj: Its packed projection, called on the query of self-attention; None: the weight's blocks.
+        in_proj: Its packed projection, called on the query of self-attention, or its row blocks (cross-attention),
+            called on the query, key and value; None: the weight's blocks, computed here.
         qkv: The call's query, key and value (one tensor three times for self-attention).
         masks: ``key_padding_mask``, ``attn_mask`` and ``is_causal``, as the module takes them.
         need_weights: Whether the attention weights are returned (computed explicitly, else
@@ -263,6 +304,8 @@ class HeldAttention:
 
     def __init__(self, model: nn.Module, layers: dict[str, nn.Module]) -> None:
         self.held: list[nn.MultiheadAttention] = []
+        self.blocks: dict[str, tuple[RowBlock, ...]] = {}
+        """Each held module's row blocks (where its in_proj is preconditioned), by the in_proj's layer name."""
         for name, module in model.named_modules():
             if not isinstance(module, nn.MultiheadAttention):
                 continue
@@ -276,10 +319,11 @@ class HeldAttention:
                     f"kfac: {name!r} (MultiheadAttention) is already held by another K-FAC preconditioner, which "
                     "would precondition its gradients twice; call the other one's remove() first."
                 )
-            module.forward = ModuleCalls(  # type: ignore[method-assign]
-                module, name, in_proj if isinstance(in_proj, PackedProjection) else None
-            )
+            calls = ModuleCalls(module, name, in_proj if isinstance(in_proj, PackedProjection) else None)
+            module.forward = calls  # type: ignore[method-assign]
             self.held.append(module)
+            if calls.blocks is not None:
+                self.blocks[f"{prefix}{IN_PROJ}"] = calls.blocks
 
     def remove(self) -> None:
         """Give every module held its class's forward back."""

@@ -18,6 +18,7 @@ from kfacflow.comm.base import Backend
 from kfacflow.configuration.schema import KFACConfig
 from kfacflow.kfac.checkpoint import check_factors, check_layers, state_of
 from kfacflow.kfac.communicator import Communicator
+from kfacflow.kfac.cross_attention import CrossProjections
 from kfacflow.kfac.delegated import Delegated
 from kfacflow.kfac.finite import FiniteFlags
 from kfacflow.kfac.gradients import Gradients
@@ -118,7 +119,8 @@ class Preconditioner:
         self.life = PlanLife(layers, stages, profile, cfg.placement_steps, *parts, make_plan)
         beside_parts = (self.capture, self.engine, self.schedule, self.finite, decay, inverse_dtype)
         self.norms, self.tied = NormDiagonals(norms, *beside_parts), TiedWeights(tied, *beside_parts)
-        self.sides = SideBlocks({"norms": self.norms, "tied": self.tied})
+        self.cross = CrossProjections(self.attention.blocks, *beside_parts)
+        self.sides = SideBlocks({"norms": self.norms, "tied": self.tied, "cross": self.cross})
         self.updates = LayerUpdates(self.state, self.life, self.rows, self.engine, self.sides)
         describe(layers, stages, self.life.slots)
         log_left(model, self.params, kinds)

@@ -15,11 +15,10 @@ rows' generalized eigenproblem (``X_r^T P X_r = I``, ``X_r^T S X_r = diag(alpha)
 the columns' (``Q``, ``T``), ``F^-1 grad = X_r [(X_r^T grad X_c) / (1 + alpha beta^T)] X_c^T``.
 
 A head with a trained bias has it as ``W``'s last column (the ones column of the head's A); the
-embedding never uses it, so ``G_e`` has a zero row and column there. The four factors are made by the
-factor stage as the Kronecker layers' are (``kfac.factor``, ``kfac.factor_examples``, micro-batches, loss
-scale), averaged over the ranks that ran the pair in one all-reduce per factor update (outside the
-Kronecker pipelines, as the norms' diagonals: :mod:`~kfacflow.kfac.norms`), and inverted when any factor
-is, on rank 0, which broadcasts the result: every rank applies the same one.
+embedding never uses it, so ``G_e`` has a zero row and column there. The four factors (``<embedding>/A``,
+``<embedding>/G``, ``<head>/A``, ``<head>/G``) are kept beside the pipelines
+(:class:`~kfacflow.kfac.side_factors.SideFactors`) and inverted when any factor is, on rank 0, which
+broadcasts the result.
 """
 
 from __future__ import annotations
@@ -33,25 +32,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
-from torch.utils.hooks import RemovableHandle
 
-from kfacflow import UserError
-from kfacflow.kfac.finite import FiniteFlags, blend
-from kfacflow.kfac.hooks.factor_parts import FactorParts
-from kfacflow.kfac.hooks.layer_sums import LayerCapture, call_input, examples_first, full_precision, leading, unscaled
 from kfacflow.kfac.layers import OWN_FORWARD, KFACLayer, embedding_reason, forward_kind, param_users
-from kfacflow.kfac.packing import packed_size, unpack
+from kfacflow.kfac.side_factors import SideFactors
 
 if TYPE_CHECKING:
-    from kfacflow.comm.base import Handle
+    from kfacflow.kfac.finite import FiniteFlags
     from kfacflow.kfac.hooks.capture import Capture
     from kfacflow.kfac.planning.schedule import Schedule
     from kfacflow.kfac.strategies.contracts import Engine
 
 logger = logging.getLogger(__name__)
-
-SIDES = ("A_e", "G_e", "A_h", "G_h")
-"""The pair's four running factors, as keyed ``<weight>/<side>``: the embedding's A and G, the head's A and G."""
 
 
 @dataclass
@@ -156,20 +147,15 @@ def apply_inverse(inverse: tuple[Tensor, Tensor, Tensor], grad: Tensor) -> Tenso
     return x_r @ ((x_r.T @ grad @ x_c) * scale) @ x_c.T
 
 
-class TiedWeights:
-    """The tied pairs' hooks, their four factors' running averages, their joint inverse and their updates.
+class TiedWeights(SideFactors):
+    """The tied pairs' factors (:class:`~kfacflow.kfac.side_factors.SideFactors`), joint inverses and updates.
 
     Called as the norms' diagonals are (:class:`~kfacflow.kfac.norms.NormDiagonals`): :meth:`launch` after the
     backward pass, :meth:`pairs` once the gradients are averaged, :meth:`set_grads` with the final updates.
 
     Args:
         pairs: The pairs preconditioned.
-        capture: The Kronecker layers' factor hooks (whether a call captures; examples, dtype, loss scale, stage).
-        engine: The communication engine and the step's timer.
-        schedule: The factor updates, the inversions and the damping.
-        finite: Where a non-finite factor is reported (the running state's).
-        decay: ``kfac.factor_decay`` (read at each use).
-        dtype: What the inverse and the updates are computed in (``kfac.inverse_dtype``).
+        capture, engine, schedule, finite, decay, dtype: As :class:`~kfacflow.kfac.side_factors.SideFactors` takes.
     """
 
     def __init__(
@@ -182,23 +168,12 @@ class TiedWeights:
         decay: Callable[[], float],
         dtype: torch.dtype,
     ) -> None:
-        self.tied, self.capture, self.engine, self.schedule = pairs, capture, engine, schedule
-        self.finite, self.decay, self.dtype = finite, decay, dtype
-        self.parts = FactorParts(capture.parts.factors, capture.dtype)
-        self.running: dict[str, Tensor] = {}
-        """Each factor's running average, packed, by ``<weight>/<side>`` (``kfac.factor_dtype``)."""
-        self.inverses: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
+        layers = [layer for pair in pairs for layer in (pair.embedding, pair.head)]
+        super().__init__(layers, capture, engine, schedule, finite, decay, dtype)
+        self.tied = pairs
+        self.inverses: dict[str, list[Tensor]] = {}
         """Each pair's :func:`joint_inverse`, by weight."""
-        self.sums: dict[str, LayerCapture] = {}
-        """This step's factors of each module, by module name."""
-        self._pass: dict[str, int] = {}
-        self._pending: tuple[Tensor, Handle | None] | None = None
         self._live: list[TiedPair] = []
-        self._hooks: list[RemovableHandle] = []
-        for pair in pairs:
-            for layer in (pair.embedding, pair.head):
-                self._hooks.append(layer.module.register_forward_pre_hook(self._a_hook(layer), with_kwargs=True))
-                self._hooks.append(layer.module.register_forward_hook(self._g_hook(layer), with_kwargs=True))
         for pair in pairs:
             logger.info(
                 "K-FAC on the weight %s tied between %s and %s, by the sum of their Kronecker blocks",
@@ -212,119 +187,27 @@ class TiedWeights:
         """Every parameter preconditioned here."""
         return [p for pair in self.tied for p in pair.params]
 
-    def _counts(self, module: nn.Module) -> bool:
-        """Whether this call adds to the factors (a factor update; not a forward run again in backward)."""
-        passes = self.capture.passes
-        return self.capture.capturing(module) and not (passes is not None and self.capture.micro >= passes)
-
-    def _batch(self, given: Tensor) -> int:
-        return self.capture.examples if self.capture.examples is not None else given.shape[0]
-
-    def _a_hook(self, layer: KFACLayer) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
-        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            given = call_input(args, kwargs)
-            if given is None or not self._counts(module):
-                return
-            batch = self._batch(given)
-            x = examples_first(given.detach(), batch, self.parts.examples_first)
-            cap = self.sums.setdefault(layer.name, LayerCapture())
-            if self._pass.get(layer.name) != self.capture.micro:  # the first call of this forward pass
-                self._pass[layer.name] = self.capture.micro
-                cap.examples += batch
-            with torch.no_grad(), full_precision(x), self.engine.timer.span("FactorComp", f"{layer.name}/A", "factor"):
-                x_in = layer.factor_input(leading(x, batch, self.capture.keep), self.capture.dtype)
-                cap.add("A", *self.parts.a_part(layer, module, x_in, False))
-
-        return hook
-
-    def _g_hook(self, layer: KFACLayer) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], None]:
-        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            given = call_input(args, kwargs)
-            if given is None or not isinstance(output, Tensor) or not output.requires_grad or not self._counts(module):
-                return
-            batch = self._batch(given)
-
-            def grad_hook(grad: Tensor) -> None:
-                grad = examples_first(grad, batch, self.parts.examples_first)
-                kept = leading(grad, batch, self.capture.keep)
-                span = self.engine.timer.span("FactorComp", f"{layer.name}/G", "factor")
-                with torch.no_grad(), full_precision(grad), span:
-                    g = unscaled(kept, self.capture.grad_scale, self.capture.dtype)
-                    share = grad.shape[0] / kept.shape[0]
-                    self.sums[layer.name].add("G", self.parts.g_part(layer, module, g, batch, share, False), batch)
-
-            output.register_hook(grad_hook)
-
-        return hook
-
-    def _step_factors(self, pair: TiedPair) -> list[Tensor] | None:
-        """The pair's four packed factors of this step, or None where a module did not run with a gradient."""
-        emb, head = self.sums.get(pair.embedding.name), self.sums.get(pair.head.name)
-        if emb is None or head is None or None in (emb.a, emb.g, head.a, head.g):
-            return None
-        return [emb.a_factor(), emb.g_factor(), head.a_factor(), head.g_factor()]  # type: ignore[list-item]
-
-    def launch(self) -> None:
-        """On a factor update, sum every pair's factors (and whether each rank ran it) over ranks: one all-reduce."""
-        if not self.tied or not self.schedule.factors():
-            return
-        backend, dtype = self.engine.backend, self.capture.dtype
-        parts, present = [], []
-        for pair in self.tied:
-            factors = self._step_factors(pair)
-            widths = [packed_size(d) for d in pair.dims()]
-            zeros = [torch.zeros(w, dtype=dtype, device=backend.device) for w in widths]
-            parts += zeros if factors is None else [f.to(dtype) for f in factors]
-            present.append(torch.full((1,), float(factors is not None), dtype=dtype, device=backend.device))
-        flat = torch.cat([*parts, *present])
-        self._pending = (flat, backend.allreduce_async(flat) if backend.world_size > 1 else None)
-        self.reset()
-
-    def _blend(self) -> None:
-        """Wait for :meth:`launch`'s sums; blend each factor's mean over the ranks that ran it into its average."""
-        if self._pending is None:
-            return
-        flat, handle = self._pending
-        self._pending = None
-        if handle is not None:
-            with self.engine.timer.span("FactorComm"):
-                handle.wait()
-        counts, start = flat[-len(self.tied) :], 0
-        for i, pair in enumerate(self.tied):
-            ran = counts[i] > 0
-            for side, d in zip(SIDES, pair.dims(), strict=True):
-                mean = flat[start : start + packed_size(d)] / counts[i].clamp(min=1)
-                start += packed_size(d)
-                key = f"{pair.name}/{side}"
-                finite = self.finite.check(key, self.schedule.steps, mean, ran) & ran
-                blend(self.running, key, mean, finite, self.decay())
-
     def _invert(self) -> None:
-        """Each pair's joint inverse from the running factors: on rank 0, broadcast to the others."""
-        backend = self.engine.backend
+        """Each pair's joint inverse from the running factors (on rank 0, broadcast)."""
         for pair in self.tied:
-            keys = [f"{pair.name}/{side}" for side in SIDES]
-            if any(key not in self.running for key in keys):
+            uses = ((pair.embedding, "A"), (pair.embedding, "G"), (pair.head, "A"), (pair.head, "G"))
+            if any(f"{layer.name}/{side}" not in self.running for layer, side in uses):
                 continue
             v, d = pair.head.g_dim, pair.head.a_dim
-            if backend.rank == 0:
-                full = [unpack(self.running[k].to(self.dtype), n) for k, n in zip(keys, pair.dims(), strict=True)]
-                x_r, x_c, scale = joint_inverse(*full, self.schedule.damping)
-                flat = torch.cat([x_r.flatten(), x_c.flatten(), scale.flatten()])
-            else:
-                flat = torch.empty(v * v + d * d + v * d, dtype=self.dtype, device=backend.device)
-            if backend.world_size > 1:
-                with self.engine.timer.span("InverseComm"):
-                    backend.broadcast_async(flat, 0).wait()
-            x_r, x_c, scale = flat.split([v * v, d * d, v * d])
-            self.inverses[pair.name] = (x_r.view(v, v), x_c.view(d, d), scale.view(v, d))
+
+            def make(uses: tuple[tuple[KFACLayer, str], ...] = uses) -> list[Tensor]:
+                a_e, g_e, a_h, g_h = (self.factor(layer, side) for layer, side in uses)
+                assert a_e is not None and g_e is not None and a_h is not None and g_h is not None
+                return list(joint_inverse(a_e, g_e, a_h, g_h, self.schedule.damping))
+
+            self.inverses[pair.name] = self.from_rank0(make, [(v, v), (d, d), (v, d)])
 
     def pairs(self) -> list[tuple[Tensor, Tensor]]:
         """Each pair's ``(F^-1 grad, grad)``, flat, for those with a gradient and an inverse.
 
         Call once the gradients are averaged; :meth:`set_grads` takes the final updates in the same order.
         """
-        self._blend()
+        self.blend_arrived()
         if self.tied and (self.schedule.inverts() or len(self.inverses) < len(self.tied)):
             self._invert()
         self._live, out = [], []
@@ -334,7 +217,7 @@ class TiedWeights:
                 if inverse is None or grad is None:
                     continue
                 wide = torch.promote_types(self.dtype, grad.dtype)
-                update = apply_inverse(inverse, grad.to(wide)).to(grad.dtype)
+                update = apply_inverse((inverse[0], inverse[1], inverse[2]), grad.to(wide)).to(grad.dtype)
                 out.append((update.flatten(), grad.flatten()))
                 self._live.append(pair)
         return out
@@ -346,41 +229,18 @@ class TiedWeights:
                 pair.head.set_grad(update.view(pair.head.g_dim, pair.head.a_dim))
         self._live = []
 
-    def reset(self) -> None:
-        """Forget this step's sums (sent, or the step was skipped on every rank)."""
-        self.sums, self._pass = {}, {}
-
     def saved(self) -> dict[str, Any]:
         """The running factors and the inverses, copied (for a checkpoint)."""
         inverses = {name: [t.detach().clone() for t in parts] for name, parts in self.inverses.items()}
-        return {"running": {k: v.detach().clone() for k, v in self.running.items()}, "inverses": inverses}
+        return {"running": self.saved_running(), "inverses": inverses}
 
     def restore(self, saved: dict[str, Any] | None) -> None:
-        """Take :meth:`saved`'s factors and inverses back, onto this run's device and dtypes.
-
-        A checkpoint without them (made without ``tied``) starts them at the next factor update.
+        """Take :meth:`saved`'s factors and inverses back (none: a checkpoint made without ``tied``).
 
         Raises:
             UserError: If a factor is of no pair of this run, or of another size.
         """
-        sizes = {f"{p.name}/{s}": packed_size(d) for p in self.tied for s, d in zip(SIDES, p.dims(), strict=True)}
-        running = (saved or {}).get("running", {})
-        for key, factor in running.items():
-            if sizes.get(key) != factor.numel():
-                raise UserError(
-                    f"resume: the checkpoint's K-FAC factor {key!r} of a tied weight does not fit this model "
-                    "(model.name, kfac.kinds or kfac.skip changed?); resume with the run's own settings, or start "
-                    "a new run."
-                )
+        self.restore_running((saved or {}).get("running", {}), "a tied weight")
         device = self.engine.backend.device
-        self.running = {k: v.to(device, self.capture.dtype, copy=True) for k, v in running.items()}
         inverses = (saved or {}).get("inverses", {})
-        self.inverses = {n: tuple(t.to(device, self.dtype, copy=True) for t in parts) for n, parts in inverses.items()}  # type: ignore[misc]
-        self.reset()
-        self._pending = None
-
-    def remove(self) -> None:
-        """Take the hooks off the modules."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
+        self.inverses = {n: [t.to(device, self.dtype, copy=True) for t in parts] for n, parts in inverses.items()}

@@ -103,10 +103,13 @@ def learn_uses(
     anywhere = " on any rank" if several else ""
     for layer in layers:
         if layer.name not in ran or layer.name not in got:
-            why = getattr(layer.module, "left_out", None) or "its forward never ran (its weight is used directly)"
-            if layer.name in ran:
-                why = "its output got no gradient"
-            logger.info("K-FAC leaves %s to the optimizer: %s%s", layer.name, why, anywhere)
+            elsewhere = getattr(layer.module, "elsewhere", None)
+            why = "its forward never ran (its weight is used directly)"
+            why = "its output got no gradient" if layer.name in ran else why
+            if elsewhere is not None and layer.name not in ran:
+                logger.info("K-FAC takes %s otherwise: %s", layer.name, elsewhere)
+            else:
+                logger.info("K-FAC leaves %s to the optimizer: %s%s", layer.name, why, anywhere)
             dropped.append(layer)
             continue
         kept.append(layer)

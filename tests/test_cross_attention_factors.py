@@ -1,0 +1,181 @@
+"""A MultiheadAttention called for cross-attention: its packed in_proj's query, key and value rows as three layers."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import local_backend, run_in_gloo, variant_steps
+from test_stage_equivalence import PROFILE
+from torch import Tensor, nn
+
+from kfacflow.comm.torch_dist import TorchBackend
+from kfacflow.configuration.schema import DistConfig, KFACConfig
+from kfacflow.kfac.preconditioner import Preconditioner
+from kfacflow.running import build
+
+DT = torch.float64
+N, S, E, HEADS, C = 4, 3, 6, 2, 3
+BLOCKS = ("q", "k", "v")
+
+
+class Cross(nn.Module):
+    """A query from the input, keys and values from a memory made of it, through one MultiheadAttention."""
+
+    def __init__(self, bias: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.memory = nn.Linear(E, E)
+        self.attn = nn.MultiheadAttention(E, HEADS, batch_first=True, bias=bias)
+        self.head = nn.Linear(E, C)
+
+    def forward(self, x: Tensor) -> Tensor:
+        m = torch.tanh(self.memory(x.flip(1)))
+        h, _ = self.attn(x, m, m, need_weights=False)
+        return self.head(h.mean(dim=1))  # type: ignore[no-any-return]
+
+
+class Twin(nn.Module):
+    """The same computation with the query, key and value projections as three nn.Linear layers."""
+
+    def __init__(self, cross: Cross) -> None:
+        super().__init__()
+        self.memory, self.head = copy.deepcopy(cross.memory), copy.deepcopy(cross.head)
+        self.out_proj = copy.deepcopy(cross.attn.out_proj)
+        bias = cross.attn.in_proj_bias
+        self.proj = nn.ModuleDict()
+        for i, name in enumerate(BLOCKS):
+            layer = nn.Linear(E, E, bias=bias is not None).to(DT)
+            with torch.no_grad():
+                layer.weight.copy_(cross.attn.in_proj_weight[i * E : (i + 1) * E])
+                if bias is not None:
+                    layer.bias.copy_(bias[i * E : (i + 1) * E])
+            self.proj[name] = layer
+
+    def forward(self, x: Tensor) -> Tensor:
+        m = torch.tanh(self.memory(x.flip(1)))
+        qkv = (self.proj["q"](x), self.proj["k"](m), self.proj["v"](m))
+        q, k, v = (t.unflatten(-1, (HEADS, E // HEADS)).transpose(1, 2) for t in qkv)
+        h = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+        return self.head(self.out_proj(h).mean(dim=1))  # type: ignore[no-any-return]
+
+
+def data(seed: int, n: int = N) -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, S, E, generator=gen, dtype=DT), torch.randint(0, C, (n,), generator=gen)
+
+
+def step(model: nn.Module, pre: Preconditioner, x: Tensor, y: Tensor) -> None:
+    model.zero_grad()
+    out = model(x)
+    pre.end_forward()
+    F.cross_entropy(out, y).backward()
+    pre.step(lr=0.1)
+
+
+def grad_matrix(weight: Tensor, bias: Tensor | None) -> Tensor:
+    assert weight.grad is not None
+    return weight.grad if bias is None else torch.cat([weight.grad, bias.grad[:, None]], dim=1)  # type: ignore[index]
+
+
+@pytest.mark.parametrize(("factor", "bias"), [("expand", True), ("reduce", True), ("expand", False)])
+def test_the_blocks_factors_and_updates_are_those_of_three_linear_layers(
+    backend: TorchBackend, caplog: pytest.LogCaptureFixture, factor: str, bias: bool
+) -> None:
+    cross = Cross(bias).to(DT)
+    twin = Twin(cross)
+    cfg = KFACConfig(factor=factor, factor_decay=0.0, kl_clip=0.0, damping=0.01)
+    pre, pre_twin = build.preconditioner(cross, cfg, backend), build.preconditioner(twin, cfg, backend)
+    x, y = data(1)
+    with caplog.at_level(logging.INFO, logger="kfacflow"):
+        for model, p in ((cross, pre), (twin, pre_twin)):
+            step(model, p, x, y)
+    blocks = pre.cross
+    updated = grad_matrix(cross.attn.in_proj_weight, cross.attn.in_proj_bias).chunk(3)
+    for name, update in zip(BLOCKS, updated, strict=True):
+        for side in "AG":
+            got = blocks.factor(blocks.groups["attn.in_proj"][BLOCKS.index(name)], side)
+            torch.testing.assert_close(got, pre_twin.factors[f"proj.{name}/{side}"], rtol=1e-12, atol=1e-14)
+        layer = twin.proj[name]
+        assert isinstance(layer, nn.Linear)
+        torch.testing.assert_close(update, grad_matrix(layer.weight, layer.bias), rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(cross.attn.out_proj.weight.grad, twin.out_proj.weight.grad, rtol=1e-9, atol=1e-12)
+    assert [layer.name for layer in pre.layers] == ["memory", "attn.out_proj", "head"]
+    assert "K-FAC takes attn.in_proj otherwise: attn (MultiheadAttention) is called with" in caplog.text
+    assert [id(p) for p in blocks.params] == [id(p) for p in (cross.attn.in_proj_weight, cross.attn.in_proj_bias)][
+        : 1 + bias
+    ]
+    pre.remove()
+    pre_twin.remove()
+    assert "forward" not in vars(cross.attn)
+
+
+def test_a_checkpoint_mid_run_resumes_as_the_uninterrupted_run(backend: TorchBackend) -> None:
+    cfg = KFACConfig(damping=0.01, kl_clip=0.01, inv_update_freq=2, factor_decay=0.8)
+    batches = [data(seed) for seed in range(5)]
+
+    def start() -> tuple[nn.Module, Preconditioner, torch.optim.Optimizer]:
+        model = Cross().to(DT)
+        return model, build.preconditioner(model, cfg, backend), torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train(model: nn.Module, pre: Preconditioner, opt: torch.optim.Optimizer, part: list[Any]) -> None:
+        for x, y in part:
+            step(model, pre, x, y)
+            opt.step()
+
+    model, pre, opt = start()
+    train(model, pre, opt, batches)
+    whole = [p.detach().clone() for p in model.parameters()]
+    pre.remove()
+    model, pre, opt = start()
+    train(model, pre, opt, batches[:3])
+    saved = copy.deepcopy({"model": model.state_dict(), "kfac": pre.state_dict()})
+    assert set(saved["kfac"]["cross"]["inverses"]) == {f"attn.in_proj.{b}" for b in BLOCKS}
+    pre.remove()
+    model, pre, opt = start()
+    model.load_state_dict(saved["model"])
+    pre.load_state_dict(saved["kfac"])
+    train(model, pre, opt, batches[3:])
+    for p, q in zip(model.parameters(), whole, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+    pre.remove()
+
+
+VARIANTS = ("d", "mpd", "spd", "flow")
+STEPS = 4
+
+
+def train_variants(rank: int, world: int, variants: tuple[str, ...]) -> dict[str, Any]:
+    backend = TorchBackend(DistConfig(device="cpu"))
+    out: dict[str, Any] = {}
+    local = 2 * N // world
+    try:
+        for variant in variants:
+            cfg = KFACConfig(variant=variant, damping=0.01, kl_clip=0.01, inv_update_freq=2)
+            batches = [data(10 + i, 2 * N) for i in range(STEPS)]
+            part = slice(rank * local, (rank + 1) * local)
+            trail, pre = variant_steps(backend, Cross().to(DT), cfg, PROFILE, batches, part)
+            assert set(pre.cross.inverses) == {f"attn.in_proj.{b}" for b in BLOCKS}
+            pre.remove()
+            out[variant] = trail
+    finally:
+        backend.close()
+    return out
+
+
+@pytest.mark.slow
+def test_d_mpd_spd_and_flow_agree_and_equal_one_process_on_the_double_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    ranks = run_in_gloo(train_variants, 2, VARIANTS)
+    local_backend(monkeypatch).close()  # no launcher's variables: the one process below is alone
+    alone = train_variants(0, 1, ("d",))
+    for variant in VARIANTS:
+        for step_params, other_rank in zip(ranks[0][variant], ranks[1][variant], strict=True):
+            for p, q in zip(step_params, other_rank, strict=True):
+                assert torch.equal(p, q), f"{variant}: the ranks differ"
+        for mine, one in zip(ranks[0][variant], alone["d"], strict=True):
+            for p, q in zip(mine, one, strict=True):
+                torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=f"{variant} against one process")
