@@ -151,7 +151,7 @@ class Preconditioner:
 
     @property
     def params(self) -> list[Tensor]:
-        """Every parameter preconditioned: the layers' weights and trained biases, the side blocks' (norms, tied)."""
+        """Every parameter preconditioned: the layers' weights and trained biases, the side blocks' (norms, tied...)."""
         return [p for layer in self.layers for p in layer.params] + self.sides.params
 
     def reconfigure(self, stages: StageSet, profile: Profile | None = None) -> None:

@@ -58,10 +58,6 @@ class TiedPair:
         """The weight, and the head's bias where it is trained."""
         return self.head.params
 
-    def dims(self) -> tuple[int, int, int, int]:
-        """The sides of ``A_e``, ``G_e``, ``A_h``, ``G_h``."""
-        return self.embedding.a_dim, self.embedding.g_dim, self.head.a_dim, self.head.g_dim
-
     def grad_matrix(self) -> Tensor | None:
         """The gradient as ``W``'s ``(V, d)`` (the bias's as a last column), or None if there is none yet."""
         return self.head.grad_matrix()
