@@ -16,3 +16,10 @@ python tools/tta.py recipes/charlm_gpt.yaml --epochs 1 --seeds 0 --eval-every 22
 python tools/tta.py recipes/charlm_gpt.yaml --epochs 1 --seeds 0 --eval-every 22 --loss-targets 2.154,1.9,1.8,1.7 \
   --optimizers flow_muon --grid "flow_muon=optim.lr:0.1;kfac.damping:0.1" --out runs/race_charlm_norm_muon \
   'kfac.kinds=[linear,conv2d,norm]' train.save=false
+# Later the same day, the machine alone: K-FAC + Muon's sweep widened past its edge (0.2), at the race's commit
+# (afeca9d, reusing every run above); then, at c52428d, the tied head preconditioned against the recipe as it
+# ships, 3 seeds each (tied/).
+python tools/tta.py "${LM[@]}" --loss-targets 2.154,1.9,1.8,1.7 --grid "muon=optim.lr:0.01,0.02,0.05,0.1" \
+  --optimizers adamw,muon,recipe,flow_muon --grid "flow_muon=optim.lr:0.05,0.1,0.2;kfac.damping:0.1"
+python tools/tta.py recipes/charlm_gpt.yaml --epochs 1 --seeds 0,1,2 --eval-every 22 --loss-targets 2.154,1.9,1.8,1.7 \
+  --optimizers recipe,recipe_tied --out runs/tied_charlm train.save=false
