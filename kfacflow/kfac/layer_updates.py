@@ -25,9 +25,9 @@ class LayerUpdates:
     The broadcast strategy preconditions the layers (:meth:`precondition`), applying what this
     gives it (:class:`~kfacflow.kfac.strategies.contracts.Apply`). Each layer is timed for the trace, and for
     the placement while the plan's life measures the layers (:class:`~kfacflow.kfac.planning.measured.LayerTimes`).
-    The side blocks' updates (the norms, the tied weights: :mod:`~kfacflow.kfac.side_blocks`) join the layers' in
-    the stage's ``finish`` (KL clipping, ``kfac.normalize``), which leaves a scale a step, summed on the device
-    until :meth:`mean_clip_scale` reads it.
+    The side blocks' updates (the norms, the tied weights, cross-attention's row blocks:
+    :mod:`~kfacflow.kfac.side_blocks`) join the layers' in the stage's ``finish`` (KL clipping,
+    ``kfac.normalize``), which leaves a scale a step, summed on the device until :meth:`mean_clip_scale` reads it.
     """
 
     def __init__(
