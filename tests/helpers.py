@@ -43,6 +43,15 @@ def kfac_sgd_step(net: nn.Module, pre: Preconditioner, opt: torch.optim.Optimize
     opt.zero_grad()
 
 
+def kfac_step(model: nn.Module, pre: Preconditioner, x: Tensor, y: Tensor, lr: float = 0.1) -> None:
+    """One step's gradients, preconditioned: zero_grad, forward, end_forward, cross-entropy backward, step."""
+    model.zero_grad()
+    out = model(x)
+    pre.end_forward()
+    F.cross_entropy(out, y).backward()
+    pre.step(lr=lr)
+
+
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """Run ``python run.py ARGS`` from the repository root; outputs are captured as text."""
     return _run_python(ROOT / "run.py", args, cwd, timeout)
@@ -257,3 +266,53 @@ def variant_steps(
         opt.zero_grad()
         trail.append([p.detach().clone() for p in model.parameters()])
     return trail, pre
+
+
+def double_batch_trails(
+    rank: int,
+    world: int,
+    variants: tuple[str, ...],
+    make: Callable[[], nn.Module],
+    data: Callable[[int, int], tuple[Tensor, Tensor]],
+    examples: int,
+    check: Callable[[Preconditioner], None],
+    profile: Profile | None,
+    **kfac: Any,
+) -> dict[str, list[list[Tensor]]]:
+    """Each variant's parameters at every step (:func:`variant_steps`), this rank training on its share of
+    ``data(10 + step, 2 * examples)``: 2 ranks ``examples`` each, or one rank the double batch. ``check`` looks at
+    each preconditioner before it is removed; ``kfac``: keys of ``KFACConfig`` besides these tests' own."""
+    backend = TorchBackend(DistConfig(device="cpu"))
+    out: dict[str, list[list[Tensor]]] = {}
+    local = 2 * examples // world
+    try:
+        for variant in variants:
+            cfg = KFACConfig(variant=variant, damping=0.01, kl_clip=0.01, inv_update_freq=2, **kfac)
+            batches = [data(10 + i, 2 * examples) for i in range(4)]
+            part = slice(rank * local, (rank + 1) * local)
+            trail, pre = variant_steps(backend, make(), cfg, profile, batches, part)
+            check(pre)
+            pre.remove()
+            out[variant] = trail
+    finally:
+        backend.close()
+    return out
+
+
+def agree_with_one_process(
+    monkeypatch: Any, train: Callable[[int, int, tuple[str, ...]], dict[str, Any]], variants: tuple[str, ...]
+) -> None:
+    """``train`` on 2 gloo ranks: the ranks hold one model at every step, every variant equals one process on the
+    double batch (D-KFAC), and the parameters changed."""
+    ranks = run_in_gloo(train, 2, variants)
+    local_backend(monkeypatch).close()  # no launcher's variables: the one process below is alone
+    alone = train(0, 1, ("d",))
+    for variant in variants:
+        for step_params, other_rank in zip(ranks[0][variant], ranks[1][variant], strict=True):
+            for p, q in zip(step_params, other_rank, strict=True):
+                assert torch.equal(p, q), f"{variant}: the ranks differ"
+        for mine, one in zip(ranks[0][variant], alone["d"], strict=True):
+            for p, q in zip(mine, one, strict=True):
+                torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=f"{variant} against one process")
+    first, last = ranks[0]["d"][0], ranks[0]["d"][-1]
+    assert any(not torch.allclose(p, q) for p, q in zip(first, last, strict=True))

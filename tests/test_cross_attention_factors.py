@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import local_backend, run_in_gloo, variant_steps
+from helpers import agree_with_one_process, double_batch_trails, kfac_step
 from test_stage_equivalence import PROFILE
 from torch import Tensor, nn
 
 from kfacflow.comm.torch_dist import TorchBackend
-from kfacflow.configuration.schema import DistConfig, KFACConfig
+from kfacflow.configuration.schema import KFACConfig
 from kfacflow.kfac.preconditioner import Preconditioner
 from kfacflow.running import build
 
@@ -69,14 +69,6 @@ def data(seed: int, n: int = N) -> tuple[Tensor, Tensor]:
     return torch.randn(n, S, E, generator=gen, dtype=DT), torch.randint(0, C, (n,), generator=gen)
 
 
-def step(model: nn.Module, pre: Preconditioner, x: Tensor, y: Tensor) -> None:
-    model.zero_grad()
-    out = model(x)
-    pre.end_forward()
-    F.cross_entropy(out, y).backward()
-    pre.step(lr=0.1)
-
-
 def grad_matrix(weight: Tensor, bias: Tensor | None) -> Tensor:
     assert weight.grad is not None
     return weight.grad if bias is None else torch.cat([weight.grad, bias.grad[:, None]], dim=1)  # type: ignore[index]
@@ -93,7 +85,7 @@ def test_the_blocks_factors_and_updates_are_those_of_three_linear_layers(
     x, y = data(1)
     with caplog.at_level(logging.INFO, logger="kfacflow"):
         for model, p in ((cross, pre), (twin, pre_twin)):
-            step(model, p, x, y)
+            kfac_step(model, p, x, y)
     blocks = pre.cross
     updated = grad_matrix(cross.attn.in_proj_weight, cross.attn.in_proj_bias).chunk(3)
     for name, update in zip(BLOCKS, updated, strict=True):
@@ -124,7 +116,7 @@ def test_a_checkpoint_mid_run_resumes_as_the_uninterrupted_run(backend: TorchBac
 
     def train(model: nn.Module, pre: Preconditioner, opt: torch.optim.Optimizer, part: list[Any]) -> None:
         for x, y in part:
-            step(model, pre, x, y)
+            kfac_step(model, pre, x, y)
             opt.step()
 
     model, pre, opt = start()
@@ -146,36 +138,16 @@ def test_a_checkpoint_mid_run_resumes_as_the_uninterrupted_run(backend: TorchBac
 
 
 VARIANTS = ("d", "mpd", "spd", "flow")
-STEPS = 4
 
 
 def train_variants(rank: int, world: int, variants: tuple[str, ...]) -> dict[str, Any]:
-    backend = TorchBackend(DistConfig(device="cpu"))
-    out: dict[str, Any] = {}
-    local = 2 * N // world
-    try:
-        for variant in variants:
-            cfg = KFACConfig(variant=variant, damping=0.01, kl_clip=0.01, inv_update_freq=2)
-            batches = [data(10 + i, 2 * N) for i in range(STEPS)]
-            part = slice(rank * local, (rank + 1) * local)
-            trail, pre = variant_steps(backend, Cross().to(DT), cfg, PROFILE, batches, part)
-            assert set(pre.cross.inverses) == {f"attn.in_proj.{b}" for b in BLOCKS}
-            pre.remove()
-            out[variant] = trail
-    finally:
-        backend.close()
-    return out
+    return double_batch_trails(rank, world, variants, lambda: Cross().to(DT), data, N, _blocks_held, PROFILE)
+
+
+def _blocks_held(pre: Preconditioner) -> None:
+    assert set(pre.cross.inverses) == {f"attn.in_proj.{b}" for b in BLOCKS}
 
 
 @pytest.mark.slow
 def test_d_mpd_spd_and_flow_agree_and_equal_one_process_on_the_double_batch(monkeypatch: pytest.MonkeyPatch) -> None:
-    ranks = run_in_gloo(train_variants, 2, VARIANTS)
-    local_backend(monkeypatch).close()  # no launcher's variables: the one process below is alone
-    alone = train_variants(0, 1, ("d",))
-    for variant in VARIANTS:
-        for step_params, other_rank in zip(ranks[0][variant], ranks[1][variant], strict=True):
-            for p, q in zip(step_params, other_rank, strict=True):
-                assert torch.equal(p, q), f"{variant}: the ranks differ"
-        for mine, one in zip(ranks[0][variant], alone["d"], strict=True):
-            for p, q in zip(mine, one, strict=True):
-                torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=f"{variant} against one process")
+    agree_with_one_process(monkeypatch, train_variants, VARIANTS)

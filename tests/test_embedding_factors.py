@@ -7,6 +7,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import kfac_step
 from torch import Tensor, nn
 
 from kfacflow import UserError
@@ -48,11 +49,7 @@ def data(seed: int) -> tuple[Tensor, Tensor]:
 
 
 def step(model: nn.Module, pre: Preconditioner, x: Tensor, y: Tensor, lr: float = 0.1) -> None:
-    model.zero_grad()
-    out = model(x)
-    pre.end_forward()
-    F.cross_entropy(out, y).backward()
-    pre.step(lr=lr)
+    kfac_step(model, pre, x, y, lr)
     with torch.no_grad():
         for p in model.parameters():
             assert p.grad is not None

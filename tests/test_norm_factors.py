@@ -9,7 +9,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import QUICK, local_backend, run_in_gloo, variant_steps
+from helpers import (
+    QUICK,
+    agree_with_one_process,
+    double_batch_trails,
+    kfac_step,
+)
 from test_stage_equivalence import PROFILE
 from torch import Tensor, nn
 
@@ -73,14 +78,6 @@ def per_example_squares(model: Normed, x: Tensor, y: Tensor) -> Tensor:
     return torch.stack(rows)
 
 
-def step(model: nn.Module, pre: Preconditioner, x: Tensor, y: Tensor, lr: float = 0.1) -> None:
-    model.zero_grad()
-    out = model(x)
-    pre.end_forward()
-    F.cross_entropy(out, y).backward()
-    pre.step(lr=lr)
-
-
 @pytest.mark.parametrize(
     ("norm", "seq_first", "tokens", "keep"),
     [
@@ -100,7 +97,7 @@ def test_the_diagonal_is_the_mean_of_squared_per_example_gradients(
     want = per_example_squares(model, x, y)[: keep or N].mean(dim=0)  # kfac.factor_examples: the first ones
     cfg = KFACConfig(kinds=KINDS, factor_decay=0.0, factor_examples=keep)
     pre = build.preconditioner(model, cfg, backend)
-    step(model, pre, x, y)
+    kfac_step(model, pre, x, y)
     torch.testing.assert_close(pre.norms.running["norm"], want, rtol=1e-12, atol=1e-15)
     assert want.numel() == (2 * E if norm == "layer" else E)
 
@@ -126,7 +123,7 @@ def test_the_running_average_decays_as_the_factors_do(backend: TorchBackend) -> 
         x, y = data(seed)
         d = per_example_squares(twin, x, y).mean(dim=0)
         want = d if want is None else 0.75 * want + 0.25 * d
-        step(model, pre, x, y, lr=0.0)  # lr 0 leaves the weights: every step's D is of the same model
+        kfac_step(model, pre, x, y, lr=0.0)  # lr 0 leaves the weights: every step's D is of the same model
     torch.testing.assert_close(pre.norms.running["norm"], want, rtol=1e-12, atol=1e-15)
 
 
@@ -173,7 +170,7 @@ def test_normalize_rms_scales_the_norms_update_too(backend: TorchBackend) -> Non
     model = Normed().to(DT)
     cfg = KFACConfig(kinds=KINDS, normalize="rms", kl_clip=0.0)
     pre = build.preconditioner(model, cfg, backend)
-    step(model, pre, *data(1))
+    kfac_step(model, pre, *data(1))
     update = norm_grad(model)
     assert update.square().mean().item() == pytest.approx(1.0, rel=1e-6)  # its RMS is taken in float32
 
@@ -226,7 +223,7 @@ def test_a_checkpoint_mid_run_resumes_as_the_uninterrupted_run(backend: TorchBac
 
     def train(model: nn.Module, pre: Preconditioner, opt: torch.optim.Optimizer, part: list[Any]) -> None:
         for x, y in part:
-            step(model, pre, x, y)
+            kfac_step(model, pre, x, y)
             opt.step()
 
     model, pre, opt = start()
@@ -268,38 +265,17 @@ class Stack(nn.Module):
 
 
 VARIANTS = ("d", "mpd", "spd", "flow")
-STEPS = 4
 
 
 def train_variants(rank: int, world: int, variants: tuple[str, ...]) -> dict[str, Any]:
-    backend = TorchBackend(DistConfig(device="cpu"))
-    out: dict[str, Any] = {}
-    local = 2 * N // world
-    try:
-        for variant in variants:
-            cfg = KFACConfig(variant=variant, kinds=KINDS, damping=0.01, kl_clip=0.01, inv_update_freq=2)
-            batches = [data(10 + i, 2 * N) for i in range(STEPS)]
-            part = slice(rank * local, (rank + 1) * local)
-            trail, pre = variant_steps(backend, Stack().to(DT), cfg, PROFILE, batches, part)
-            assert sorted(pre.norms.running) == ["body.1", "norm"]
-            pre.remove()
-            out[variant] = trail
-    finally:
-        backend.close()
-    return out
+    make = lambda: Stack().to(DT)  # noqa: E731
+    return double_batch_trails(rank, world, variants, make, data, N, _norms_held, PROFILE, kinds=KINDS)
+
+
+def _norms_held(pre: Preconditioner) -> None:
+    assert sorted(pre.norms.running) == ["body.1", "norm"]
 
 
 @pytest.mark.slow
 def test_d_mpd_spd_and_flow_agree_and_equal_one_process_on_the_double_batch(monkeypatch: pytest.MonkeyPatch) -> None:
-    ranks = run_in_gloo(train_variants, 2, VARIANTS)
-    local_backend(monkeypatch).close()  # no launcher's variables: the one process below is alone
-    alone = train_variants(0, 1, ("d",))
-    for variant in VARIANTS:
-        for step_params, other_rank in zip(ranks[0][variant], ranks[1][variant], strict=True):
-            for p, q in zip(step_params, other_rank, strict=True):
-                assert torch.equal(p, q), f"{variant}: the ranks differ"
-        for mine, one in zip(ranks[0][variant], alone["d"], strict=True):
-            for p, q in zip(mine, one, strict=True):
-                torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=f"{variant} against one process")
-    first, last = ranks[0]["d"][0], ranks[0]["d"][-1]
-    assert any(not torch.allclose(p, q) for p, q in zip(first, last, strict=True))
+    agree_with_one_process(monkeypatch, train_variants, VARIANTS)

@@ -14,12 +14,11 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import run_in_gloo, variant_steps
+from helpers import kfac_step, run_in_gloo, variant_steps
 from torch import Tensor, nn
 
 from kfacflow.comm.torch_dist import TorchBackend
 from kfacflow.configuration.schema import DistConfig, KFACConfig
-from kfacflow.kfac.preconditioner import Preconditioner
 from kfacflow.perf import InverseModel, LinearModel, Profile
 from kfacflow.running import build
 
@@ -78,14 +77,6 @@ def data(seed: int, n: int = N) -> tuple[Tensor, Tensor]:
     return torch.randn(n, S, E, generator=gen, dtype=DT), torch.randint(0, C, (n,), generator=gen)
 
 
-def step(model: nn.Module, pre: Preconditioner, x: Tensor, y: Tensor) -> None:
-    model.zero_grad()
-    out = model(x)
-    pre.end_forward()
-    F.cross_entropy(out, y).backward()
-    pre.step(lr=0.1)
-
-
 def spy(module: nn.Module) -> dict[str, Tensor]:
     seen: dict[str, Tensor] = {}
 
@@ -106,7 +97,7 @@ def test_a_linear_over_tokens_by_hand(backend: TorchBackend, factor: str) -> Non
     model = block()
     seen = {name: spy(getattr(model, name)) for name in ("qkv", "fc1", "fc2")}
     pre = build.preconditioner(model, KFACConfig(factor=factor, factor_decay=0.0, kl_clip=0.0, damping=0.01), backend)
-    step(model, pre, *data(1))
+    kfac_step(model, pre, *data(1))
     for name, rec in seen.items():
         a = with_ones(rec["x"]) if getattr(model, name).bias is not None else rec["x"]  # (N, S, a_dim)
         dg = N * rec["go"]  # the per-example gradient: N undoes the batch mean's 1/N
@@ -126,7 +117,7 @@ def test_reduce_and_expand_differ_and_reduce_takes_one_row_an_example(backend: T
     for factor in ("expand", "reduce"):
         model = block()
         pre = build.preconditioner(model, KFACConfig(factor=factor, factor_decay=0.0), backend)
-        step(model, pre, *data(1))
+        kfac_step(model, pre, *data(1))
         factors[factor] = pre.factors["fc1/A"]
     assert not torch.allclose(factors["expand"], factors["reduce"])
     # The ones column of the bias: its corner is the mean of ones, whatever the rows are.
@@ -141,7 +132,7 @@ def test_sequence_first_inputs_give_the_factors_of_batch_first_ones(backend: Tor
         model = block(seq_first)
         pre = build.preconditioner(model, KFACConfig(factor=factor, factor_decay=0.0, damping=0.01), backend)
         for seed in (1, 2):
-            step(model, pre, *data(seed))
+            kfac_step(model, pre, *data(seed))
         got[seq_first] = (
             {k: v.clone() for k, v in pre.factors.items()},
             [p.detach().clone() for p in model.parameters()],

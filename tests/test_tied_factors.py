@@ -9,13 +9,13 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import local_backend, run_in_gloo, variant_steps
+from helpers import agree_with_one_process, double_batch_trails, kfac_step
 from test_stage_equivalence import PROFILE
 from torch import Tensor, nn
 
 from kfacflow import UserError
 from kfacflow.comm.torch_dist import TorchBackend
-from kfacflow.configuration.schema import DistConfig, KFACConfig
+from kfacflow.configuration.schema import KFACConfig
 from kfacflow.kfac.left_out import kinds_left
 from kfacflow.kfac.preconditioner import Preconditioner
 from kfacflow.kfac.tied import apply_inverse, find_tied, generalized, joint_inverse
@@ -47,14 +47,6 @@ class TiedLM(nn.Module):
 def data(seed: int, n: int = N) -> tuple[Tensor, Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, V, (n, T), generator=gen), torch.randint(0, V, (n, T), generator=gen)
-
-
-def step(model: nn.Module, pre: Preconditioner, x: Tensor, y: Tensor, lr: float = 0.1) -> None:
-    model.zero_grad()
-    out = model(x)
-    pre.end_forward()
-    F.cross_entropy(out, y).backward()
-    pre.step(lr=lr)
 
 
 SIDES = ("A_e", "G_e", "A_h", "G_h")
@@ -100,7 +92,7 @@ def test_the_four_factors_are_the_two_uses_factors_by_hand(backend: TorchBackend
     x, y = data(1)
     want = by_hand(TiedLM(bias).to(DT), x, y)
     pre = build.preconditioner(model, KFACConfig(kinds=KINDS, factor_decay=0.0), backend)
-    step(model, pre, x, y)
+    kfac_step(model, pre, x, y)
     for side, got, hand in zip(SIDES, running(pre), want, strict=True):
         torch.testing.assert_close(got, hand, rtol=1e-12, atol=1e-14, msg=side)
     assert torch.count_nonzero(want[0] - torch.diag(torch.diagonal(want[0]))) == 0  # A_e counts tokens
@@ -217,7 +209,7 @@ def test_a_checkpoint_mid_run_resumes_as_the_uninterrupted_run(backend: TorchBac
 
     def train(model: nn.Module, pre: Preconditioner, opt: torch.optim.Optimizer, part: list[Any]) -> None:
         for x, y in part:
-            step(model, pre, x, y)
+            kfac_step(model, pre, x, y)
             opt.step()
 
     model, pre, opt = start()
@@ -244,38 +236,17 @@ def test_a_checkpoint_mid_run_resumes_as_the_uninterrupted_run(backend: TorchBac
 # --- D, MPD, SPD and flow on two gloo ranks ------------------------------------------------------------------------
 
 VARIANTS = ("d", "mpd", "spd", "flow")
-STEPS = 4
 
 
 def train_variants(rank: int, world: int, variants: tuple[str, ...]) -> dict[str, Any]:
-    backend = TorchBackend(DistConfig(device="cpu"))
-    out: dict[str, Any] = {}
-    local = 2 * N // world
-    try:
-        for variant in variants:
-            cfg = KFACConfig(variant=variant, kinds=KINDS, damping=0.01, kl_clip=0.01, inv_update_freq=2)
-            batches = [data(10 + i, 2 * N) for i in range(STEPS)]
-            part = slice(rank * local, (rank + 1) * local)
-            trail, pre = variant_steps(backend, TiedLM(bias=True).to(DT), cfg, PROFILE, batches, part)
-            assert sorted(pre.tied.inverses) == ["tok.weight"]
-            pre.remove()
-            out[variant] = trail
-    finally:
-        backend.close()
-    return out
+    make = lambda: TiedLM(bias=True).to(DT)  # noqa: E731
+    return double_batch_trails(rank, world, variants, make, data, N, _tied, PROFILE, kinds=KINDS)
+
+
+def _tied(pre: Preconditioner) -> None:
+    assert sorted(pre.tied.inverses) == ["tok.weight"]
 
 
 @pytest.mark.slow
 def test_d_mpd_spd_and_flow_agree_and_equal_one_process_on_the_double_batch(monkeypatch: pytest.MonkeyPatch) -> None:
-    ranks = run_in_gloo(train_variants, 2, VARIANTS)
-    local_backend(monkeypatch).close()  # no launcher's variables: the one process below is alone
-    alone = train_variants(0, 1, ("d",))
-    for variant in VARIANTS:
-        for step_params, other_rank in zip(ranks[0][variant], ranks[1][variant], strict=True):
-            for p, q in zip(step_params, other_rank, strict=True):
-                assert torch.equal(p, q), f"{variant}: the ranks differ"
-        for mine, one in zip(ranks[0][variant], alone["d"], strict=True):
-            for p, q in zip(mine, one, strict=True):
-                torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=f"{variant} against one process")
-    first, last = ranks[0]["d"][0], ranks[0]["d"][-1]
-    assert any(not torch.allclose(p, q) for p, q in zip(first, last, strict=True))
+    agree_with_one_process(monkeypatch, train_variants, VARIANTS)
