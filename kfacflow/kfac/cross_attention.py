@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor, nn
@@ -40,11 +40,15 @@ BLOCKS = ("q", "k", "v")
 class CrossProjections(SideFactors):
     """The row blocks' factors, inverses and updates, one ``(update, gradient)`` pair a module.
 
+    Its :attr:`inverses`: each block's ``(A + damping I)^-1`` and ``(G + damping I)^-1``, by its layer name.
+
     Args:
         blocks: Each held module's row blocks, by its in_proj's layer name
             (:attr:`~kfacflow.kfac.multihead.HeldAttention.blocks`).
         capture, engine, schedule, finite, decay, dtype: As :class:`~kfacflow.kfac.side_factors.SideFactors` takes.
     """
+
+    what = "a cross-attention block"
 
     def __init__(
         self,
@@ -62,8 +66,6 @@ class CrossProjections(SideFactors):
         }
         layers = [layer for group in self.groups.values() for layer in group]
         super().__init__(layers, capture, engine, schedule, finite, decay, dtype)
-        self.inverses: dict[str, list[Tensor]] = {}
-        """Each block's ``(A + damping I)^-1`` and ``(G + damping I)^-1``, by its layer name."""
         self._live: list[str] = []
 
     def _module(self, name: str) -> nn.MultiheadAttention:
@@ -135,19 +137,3 @@ class CrossProjections(SideFactors):
                 if len(params) == 2:
                     params[1].grad.copy_(mat[:, -1])  # type: ignore[union-attr]
         self._live = []
-
-    def saved(self) -> dict[str, Any]:
-        """The running factors and the inverses, copied (for a checkpoint)."""
-        inverses = {name: [t.detach().clone() for t in parts] for name, parts in self.inverses.items()}
-        return {"running": self.saved_running(), "inverses": inverses}
-
-    def restore(self, saved: dict[str, Any] | None) -> None:
-        """Take :meth:`saved`'s factors and inverses back (none: a checkpoint without cross-attention blocks).
-
-        Raises:
-            UserError: If a factor is of no block of this run, or of another size.
-        """
-        self.restore_running((saved or {}).get("running", {}), "a cross-attention block")
-        device = self.engine.backend.device
-        inverses = (saved or {}).get("inverses", {})
-        self.inverses = {n: [t.to(device, self.dtype, copy=True) for t in parts] for n, parts in inverses.items()}

@@ -31,12 +31,12 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from kfacflow import UserError
-from kfacflow.kfac.finite import FiniteFlags, blend
+from kfacflow.kfac.finite import FiniteFlags
 from kfacflow.kfac.hooks.layer_sums import call_input, examples_first, full_precision, leading, unscaled
 from kfacflow.kfac.layers import NORMS, affine_trained, class_name, param_users, skip_reason
+from kfacflow.kfac.side_factors import RankMeans
 
 if TYPE_CHECKING:
-    from kfacflow.comm.base import Handle
     from kfacflow.kfac.hooks.capture import Capture
     from kfacflow.kfac.planning.schedule import Schedule
     from kfacflow.kfac.strategies.contracts import Engine
@@ -143,7 +143,7 @@ class NormDiagonals:
         self.examples: dict[str, int] = {}
         """This step's examples of each norm: the batch of its first call in each forward pass."""
         self._pass: dict[str, int] = {}
-        self._pending: tuple[Tensor, Handle | None] | None = None
+        self._means = RankMeans(engine)
         self._live: list[tuple[NormLayer, list[Tensor]]] = []
         self._hooks: list[RemovableHandle] = [
             norm.module.register_forward_hook(self._hook(norm), with_kwargs=True) for norm in norms
@@ -201,28 +201,13 @@ class NormDiagonals:
                 sums * examples if sums is not None and ran else torch.zeros(norm.width, dtype=dtype, device=device)
             )
             present.append(torch.full((1,), float(ran), dtype=dtype, device=device))
-        flat = torch.cat([*parts, *present])
-        self._pending = (flat, backend.allreduce_async(flat) if backend.world_size > 1 else None)
+        self._means.launch(parts, present)
         self.reset()
 
     def _blend(self) -> None:
         """Wait for :meth:`launch`'s sums; blend each norm's mean over the ranks that ran it into its average."""
-        if self._pending is None:
-            return
-        flat, handle = self._pending
-        self._pending = None
-        if handle is not None:
-            with self.engine.timer.span("FactorComm"):
-                handle.wait()
-        counts = flat[-len(self.norms) :]
-        start = 0
-        for i, norm in enumerate(self.norms):
-            ran = counts[i] > 0
-            mean = flat[start : start + norm.width] / counts[i].clamp(min=1)
-            start += norm.width
-            key = f"{norm.name}/D"
-            finite = self.finite.check(key, self.schedule.steps, mean, ran) & ran
-            blend(self.running, norm.name, mean, finite, self.decay())
+        groups = [[(norm.name, f"{norm.name}/D", norm.width)] for norm in self.norms]
+        self._means.average(groups, self.running, self.finite, self.schedule.steps, self.decay())
 
     def pairs(self) -> list[tuple[Tensor, Tensor]]:
         """Each norm's ``(grad / (D + damping), grad)``, flat, for those with a gradient and a diagonal.
@@ -281,7 +266,7 @@ class NormDiagonals:
         device = self.engine.backend.device
         self.running = {k: v.to(device, self.capture.dtype, copy=True) for k, v in (saved or {}).items()}
         self.reset()
-        self._pending = None
+        self._means.pending = None
 
     def remove(self) -> None:
         """Take the hooks off the norms."""

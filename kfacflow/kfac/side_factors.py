@@ -13,7 +13,7 @@ averages is computed on rank 0 and broadcast (:meth:`SideFactors.from_rank0`): e
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -33,8 +33,62 @@ if TYPE_CHECKING:
     from kfacflow.kfac.strategies.contracts import Engine
 
 
+class RankMeans:
+    """Sums over ranks in one all-reduce, and each entry's mean over the ranks that had it, blended.
+
+    :meth:`launch` sums the entries with a flag a group saying whether the rank had it; :meth:`average` blends
+    each entry's mean over the ranks that had its group into its running average. What the side blocks'
+    factors and the norms' diagonals (:mod:`~kfacflow.kfac.norms`) go by.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.pending: tuple[Tensor, Handle | None] | None = None
+        """The flat sums and their all-reduce (none with one rank), until :meth:`average`."""
+
+    def launch(self, parts: list[Tensor], present: list[Tensor]) -> None:
+        """Start summing ``parts`` and ``present`` (a one-element flag a group) over ranks."""
+        backend = self.engine.backend
+        flat = torch.cat([*parts, *present])
+        self.pending = (flat, backend.allreduce_async(flat) if backend.world_size > 1 else None)
+
+    def average(
+        self,
+        groups: list[list[tuple[str, str, int]]],
+        running: dict[str, Tensor],
+        finite: FiniteFlags,
+        step: int,
+        decay: float,
+    ) -> None:
+        """Wait for :meth:`launch`'s sums; blend each entry's mean into ``running`` (none launched: nothing).
+
+        Args:
+            groups: Each group's entries in the order launched: ``(key in running, key reported, width)``.
+            running: The running averages.
+            finite: Where a non-finite mean is reported.
+            step: The step reported with it.
+            decay: The running averages' decay.
+        """
+        if self.pending is None:
+            return
+        flat, handle = self.pending
+        self.pending = None
+        if handle is not None:
+            with self.engine.timer.span("FactorComm"):
+                handle.wait()
+        counts, start = flat[-len(groups) :], 0
+        for count, entries in zip(counts, groups, strict=True):
+            ran = count > 0
+            for key, reported, width in entries:
+                mean = flat[start : start + width] / count.clamp(min=1)
+                start += width
+                blend(running, key, mean, finite.check(reported, step, mean, ran) & ran, decay)
+
+
 class SideFactors:
     """The layers' factor hooks, their sums of a step, and the running averages by ``<layer>/A`` and ``<layer>/G``.
+
+    What a subclass makes of the averages it keeps in :attr:`inverses`, saved with them in checkpoints.
 
     Args:
         layers: The layers whose factors are kept (their modules are hooked).
@@ -45,6 +99,9 @@ class SideFactors:
         decay: ``kfac.factor_decay`` (read at each use).
         dtype: What is made of the averages (``kfac.inverse_dtype``).
     """
+
+    what: ClassVar[str] = "a side block"
+    """What the layers are, as a message names them."""
 
     def __init__(
         self,
@@ -61,10 +118,12 @@ class SideFactors:
         self.parts = FactorParts(capture.parts.factors, capture.dtype)
         self.running: dict[str, Tensor] = {}
         """Each factor's running average, packed (``kfac.factor_dtype``)."""
+        self.inverses: dict[str, list[Tensor]] = {}
+        """What the subclass made of the averages (its inverses), by name."""
         self.sums: dict[str, LayerCapture] = {}
         """This step's factors of each layer, by name."""
         self._pass: dict[str, int] = {}
-        self._pending: tuple[Tensor, Handle | None] | None = None
+        self._means = RankMeans(engine)
         self._hooks: list[RemovableHandle] = []
         for layer in layers:
             self._hooks.append(layer.module.register_forward_pre_hook(self._a_hook(layer), with_kwargs=True))
@@ -131,28 +190,13 @@ class SideFactors:
                 else:
                     parts.append(torch.zeros(packed_size(d), dtype=dtype, device=backend.device))
             present.append(torch.full((1,), float(ran), dtype=dtype, device=backend.device))
-        flat = torch.cat([*parts, *present])
-        self._pending = (flat, backend.allreduce_async(flat) if backend.world_size > 1 else None)
+        self._means.launch(parts, present)
         self.reset()
 
     def blend_arrived(self) -> None:
         """Wait for :meth:`launch`'s sums; blend each factor's mean over the ranks that ran it into its average."""
-        if self._pending is None:
-            return
-        flat, handle = self._pending
-        self._pending = None
-        if handle is not None:
-            with self.engine.timer.span("FactorComm"):
-                handle.wait()
-        counts, start = flat[-len(self.layers) :], 0
-        for i, layer in enumerate(self.layers):
-            ran = counts[i] > 0
-            for d, side in ((layer.a_dim, "A"), (layer.g_dim, "G")):
-                mean = flat[start : start + packed_size(d)] / counts[i].clamp(min=1)
-                start += packed_size(d)
-                key = f"{layer.name}/{side}"
-                finite = self.finite.check(key, self.schedule.steps, mean, ran) & ran
-                blend(self.running, key, mean, finite, self.decay())
+        groups = [[(key, key, width) for key, width in _keys(layer)] for layer in self.layers]
+        self._means.average(groups, self.running, self.finite, self.schedule.steps, self.decay())
 
     def factor(self, layer: KFACLayer, side: str) -> Tensor | None:
         """The running ``side`` (``"A"``, ``"G"``) of ``layer`` as a full matrix in :attr:`dtype`, or None."""
@@ -176,27 +220,33 @@ class SideFactors:
         """Forget this step's sums (sent, or the step was skipped on every rank)."""
         self.sums, self._pass = {}, {}
 
-    def saved_running(self) -> dict[str, Tensor]:
-        """The running factors, copied (for a checkpoint)."""
-        return {key: factor.detach().clone() for key, factor in self.running.items()}
+    def saved(self) -> dict[str, Any]:
+        """The running factors and the inverses, copied (for a checkpoint)."""
+        inverses = {name: [t.detach().clone() for t in parts] for name, parts in self.inverses.items()}
+        return {"running": {key: f.detach().clone() for key, f in self.running.items()}, "inverses": inverses}
 
-    def restore_running(self, running: dict[str, Tensor], what: str) -> None:
-        """Take :meth:`saved_running`'s factors back, onto this run's device and factor dtype.
+    def restore(self, saved: dict[str, Any] | None) -> None:
+        """Take :meth:`saved`'s factors and inverses back, onto this run's device and dtypes.
+
+        A checkpoint made without these layers (``None``) starts them at the next factor update.
 
         Raises:
-            UserError: If a factor is of no layer here (``what`` names them in the message), or of another size.
+            UserError: If a factor is of no layer here (:attr:`what` names them in the message), or of another size.
         """
-        sizes = {f"{layer.name}/{side}": packed_size(d) for layer in self.layers for side, d in _sides(layer)}
+        running, inverses = (saved or {}).get("running", {}), (saved or {}).get("inverses", {})
+        sizes = dict(width for layer in self.layers for width in _keys(layer))
         for key, factor in running.items():
             if sizes.get(key) != factor.numel():
                 raise UserError(
-                    f"resume: the checkpoint's K-FAC factor {key!r} of {what} does not fit this model (model.name, "
-                    "kfac.kinds or kfac.skip changed?); resume with the run's own settings, or start a new run."
+                    f"resume: the checkpoint's K-FAC factor {key!r} of {self.what} does not fit this model "
+                    "(model.name, kfac.kinds or kfac.skip changed?); resume with the run's own settings, or start "
+                    "a new run."
                 )
         device = self.engine.backend.device
         self.running = {k: v.to(device, self.capture.dtype, copy=True) for k, v in running.items()}
+        self.inverses = {n: [t.to(device, self.dtype, copy=True) for t in parts] for n, parts in inverses.items()}
         self.reset()
-        self._pending = None
+        self._means.pending = None
 
     def remove(self) -> None:
         """Take the hooks off the modules."""
@@ -205,5 +255,6 @@ class SideFactors:
         self._hooks = []
 
 
-def _sides(layer: KFACLayer) -> tuple[tuple[str, int], tuple[str, int]]:
-    return ("A", layer.a_dim), ("G", layer.g_dim)
+def _keys(layer: KFACLayer) -> tuple[tuple[str, int], tuple[str, int]]:
+    """The layer's two running factors' keys and packed sizes, in the order they are launched."""
+    return (f"{layer.name}/A", packed_size(layer.a_dim)), (f"{layer.name}/G", packed_size(layer.g_dim))

@@ -27,7 +27,7 @@ import fnmatch
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -147,12 +147,15 @@ class TiedWeights(SideFactors):
     """The tied pairs' factors (:class:`~kfacflow.kfac.side_factors.SideFactors`), joint inverses and updates.
 
     Called as the norms' diagonals are (:class:`~kfacflow.kfac.norms.NormDiagonals`): :meth:`launch` after the
-    backward pass, :meth:`pairs` once the gradients are averaged, :meth:`set_grads` with the final updates.
+    backward pass, :meth:`pairs` once the gradients are averaged, :meth:`set_grads` with the final updates. Its
+    :attr:`inverses`: each pair's :func:`joint_inverse`, by weight.
 
     Args:
         pairs: The pairs preconditioned.
         capture, engine, schedule, finite, decay, dtype: As :class:`~kfacflow.kfac.side_factors.SideFactors` takes.
     """
+
+    what = "a tied weight"
 
     def __init__(
         self,
@@ -167,8 +170,6 @@ class TiedWeights(SideFactors):
         layers = [layer for pair in pairs for layer in (pair.embedding, pair.head)]
         super().__init__(layers, capture, engine, schedule, finite, decay, dtype)
         self.tied = pairs
-        self.inverses: dict[str, list[Tensor]] = {}
-        """Each pair's :func:`joint_inverse`, by weight."""
         self._live: list[TiedPair] = []
         for pair in pairs:
             logger.info(
@@ -224,19 +225,3 @@ class TiedWeights(SideFactors):
             for pair, update in zip(self._live, updates, strict=True):
                 pair.head.set_grad(update.view(pair.head.g_dim, pair.head.a_dim))
         self._live = []
-
-    def saved(self) -> dict[str, Any]:
-        """The running factors and the inverses, copied (for a checkpoint)."""
-        inverses = {name: [t.detach().clone() for t in parts] for name, parts in self.inverses.items()}
-        return {"running": self.saved_running(), "inverses": inverses}
-
-    def restore(self, saved: dict[str, Any] | None) -> None:
-        """Take :meth:`saved`'s factors and inverses back (none: a checkpoint made without ``tied``).
-
-        Raises:
-            UserError: If a factor is of no pair of this run, or of another size.
-        """
-        self.restore_running((saved or {}).get("running", {}), "a tied weight")
-        device = self.engine.backend.device
-        inverses = (saved or {}).get("inverses", {})
-        self.inverses = {n: [t.to(device, self.dtype, copy=True) for t in parts] for n, parts in inverses.items()}
