@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import multiprocessing as mp
 import os
@@ -316,3 +317,38 @@ def agree_with_one_process(
                 torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=f"{variant} against one process")
     first, last = ranks[0]["d"][0], ranks[0]["d"][-1]
     assert any(not torch.allclose(p, q) for p, q in zip(first, last, strict=True))
+
+
+def resumed_as_uninterrupted(
+    backend: TorchBackend, make: Callable[[], nn.Module], cfg: KFACConfig, batches: list[Any], cut: int = 3
+) -> dict[str, Any]:
+    """Train ``make()`` with K-FAC under ``cfg`` and SGD (lr 0.1) over ``batches``, and again through a checkpoint
+    after ``cut`` of them into a new model and preconditioner: assert both end with the same parameters. Returns
+    the checkpoint (``model``, ``kfac``) for the caller to look into."""
+    from kfacflow.running import build
+
+    def start() -> tuple[nn.Module, Preconditioner, torch.optim.Optimizer]:
+        model = make()
+        return model, build.preconditioner(model, cfg, backend), torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train(model: nn.Module, pre: Preconditioner, opt: torch.optim.Optimizer, part: list[Any]) -> None:
+        for x, y in part:
+            kfac_step(model, pre, x, y)
+            opt.step()
+
+    model, pre, opt = start()
+    train(model, pre, opt, batches)
+    whole = [p.detach().clone() for p in model.parameters()]
+    pre.remove()
+    model, pre, opt = start()
+    train(model, pre, opt, batches[:cut])
+    saved = copy.deepcopy({"model": model.state_dict(), "kfac": pre.state_dict()})
+    pre.remove()
+    model, pre, opt = start()
+    model.load_state_dict(saved["model"])
+    pre.load_state_dict(saved["kfac"])
+    train(model, pre, opt, batches[cut:])
+    for p, q in zip(model.parameters(), whole, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+    pre.remove()
+    return saved
