@@ -14,22 +14,17 @@ blocks, and its packed ``in_proj`` stays one layer of the pipelines.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor, nn
 
 from kfacflow.kfac.layers import KFACLayer
-from kfacflow.kfac.side_factors import SideFactors
+from kfacflow.kfac.side_factors import SideFactors, SideParts
 from kfacflow.kfac.stages.inverse import eigen_inverse
 
 if TYPE_CHECKING:
-    from kfacflow.kfac.finite import FiniteFlags
-    from kfacflow.kfac.hooks.capture import Capture
     from kfacflow.kfac.multihead import RowBlock
-    from kfacflow.kfac.planning.schedule import Schedule
-    from kfacflow.kfac.strategies.contracts import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -45,27 +40,18 @@ class CrossProjections(SideFactors):
     Args:
         blocks: Each held module's row blocks, by its in_proj's layer name
             (:attr:`~kfacflow.kfac.multihead.HeldAttention.blocks`).
-        capture, engine, schedule, finite, decay, dtype: As :class:`~kfacflow.kfac.side_factors.SideFactors` takes.
+        parts: What a side block is handed (:class:`~kfacflow.kfac.side_factors.SideParts`).
     """
 
     what = "a cross-attention block"
 
-    def __init__(
-        self,
-        blocks: dict[str, tuple[RowBlock, ...]],
-        capture: Capture,
-        engine: Engine,
-        schedule: Schedule,
-        finite: FiniteFlags,
-        decay: Callable[[], float],
-        dtype: torch.dtype,
-    ) -> None:
+    def __init__(self, blocks: dict[str, tuple[RowBlock, ...]], parts: SideParts) -> None:
         self.groups = {
             name: [KFACLayer(f"{name}.{b}", block) for b, block in zip(BLOCKS, held, strict=True)]
             for name, held in blocks.items()
         }
         layers = [layer for group in self.groups.values() for layer in group]
-        super().__init__(layers, capture, engine, schedule, finite, decay, dtype)
+        super().__init__(layers, parts)
         self._live: list[str] = []
 
     def _module(self, name: str) -> nn.MultiheadAttention:

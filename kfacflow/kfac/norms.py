@@ -31,15 +31,12 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from kfacflow import UserError
-from kfacflow.kfac.finite import FiniteFlags
 from kfacflow.kfac.hooks.layer_sums import call_input, examples_first, full_precision, leading, unscaled
 from kfacflow.kfac.layers import NORMS, affine_trained, class_name, param_users, skip_reason
-from kfacflow.kfac.side_factors import RankMeans
+from kfacflow.kfac.side_factors import RankMeans, SideParts
 
 if TYPE_CHECKING:
-    from kfacflow.kfac.hooks.capture import Capture
-    from kfacflow.kfac.planning.schedule import Schedule
-    from kfacflow.kfac.strategies.contracts import Engine
+    pass
 
 logger = logging.getLogger(__name__)
 
@@ -116,26 +113,12 @@ class NormDiagonals:
 
     Args:
         norms: The norms preconditioned.
-        capture: The Kronecker layers' factor hooks (whether a call captures; its examples, dtype, loss scale).
-        engine: The communication engine and the step's timer.
-        schedule: The factor updates and the damping.
-        finite: Where a non-finite ``D`` is reported (the running state's).
-        decay: ``kfac.factor_decay`` (read at each use).
-        dtype: What updates are computed in (``kfac.inverse_dtype``).
+        parts: What a side block is handed (:class:`~kfacflow.kfac.side_factors.SideParts`).
     """
 
-    def __init__(
-        self,
-        norms: list[NormLayer],
-        capture: Capture,
-        engine: Engine,
-        schedule: Schedule,
-        finite: FiniteFlags,
-        decay: Callable[[], float],
-        dtype: torch.dtype,
-    ) -> None:
-        self.norms, self.capture, self.engine, self.schedule = norms, capture, engine, schedule
-        self.finite, self.decay, self.dtype = finite, decay, dtype
+    def __init__(self, norms: list[NormLayer], parts: SideParts) -> None:
+        self.norms, self.capture, self.engine, self.schedule = norms, parts.capture, parts.engine, parts.schedule
+        self.finite, self.decay, self.dtype = parts.finite, parts.decay, parts.dtype
         self.running: dict[str, Tensor] = {}
         """Each norm's running diagonal, by name (``kfac.factor_dtype``)."""
         self.sums: dict[str, Tensor] = {}
@@ -143,7 +126,7 @@ class NormDiagonals:
         self.examples: dict[str, int] = {}
         """This step's examples of each norm: the batch of its first call in each forward pass."""
         self._pass: dict[str, int] = {}
-        self._means = RankMeans(engine)
+        self._means = RankMeans(self.engine)
         self._live: list[tuple[NormLayer, list[Tensor]]] = []
         self._hooks: list[RemovableHandle] = [
             norm.module.register_forward_hook(self._hook(norm), with_kwargs=True) for norm in norms

@@ -35,6 +35,7 @@ from kfacflow.kfac.planning.measured import LayerTimes
 from kfacflow.kfac.planning.plan import StepPlan, make_plan
 from kfacflow.kfac.planning.schedule import Schedule
 from kfacflow.kfac.side_blocks import SideBlocks
+from kfacflow.kfac.side_factors import SideParts
 from kfacflow.kfac.stages.contracts import FactorSlot
 from kfacflow.kfac.stages.inverse import Inverse
 from kfacflow.kfac.state import FactorState, dtypes
@@ -117,9 +118,9 @@ class Preconditioner:
         # The planner by this module's name: what a caller wraps to count or vary the plans.
         parts = (self.engine, self.schedule, self.state, self.capture, self.rows, self.claims, comm)
         self.life = PlanLife(layers, stages, profile, cfg.placement_steps, *parts, make_plan)
-        beside_parts = (self.capture, self.engine, self.schedule, self.finite, decay, inverse_dtype)
-        self.norms, self.tied = NormDiagonals(norms, *beside_parts), TiedWeights(tied, *beside_parts)
-        self.cross = CrossProjections(self.attention.blocks, *beside_parts)
+        side = SideParts(self.capture, self.engine, self.schedule, self.finite, decay, inverse_dtype)
+        self.norms, self.tied = NormDiagonals(norms, side), TiedWeights(tied, side)
+        self.cross = CrossProjections(self.attention.blocks, side)
         self.sides = SideBlocks({"norms": self.norms, "tied": self.tied, "cross": self.cross})
         self.updates = LayerUpdates(self.state, self.life, self.rows, self.engine, self.sides)
         describe(layers, stages, self.life.slots)

@@ -13,6 +13,7 @@ averages is computed on rank 0 and broadcast (:meth:`SideFactors.from_rank0`): e
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -31,6 +32,27 @@ if TYPE_CHECKING:
     from kfacflow.kfac.hooks.capture import Capture
     from kfacflow.kfac.planning.schedule import Schedule
     from kfacflow.kfac.strategies.contracts import Engine
+
+
+@dataclass(frozen=True)
+class SideParts:
+    """What every block beside the pipelines is handed (the norms', :class:`SideFactors`).
+
+    Attributes:
+        capture: The pipelines' factor hooks (whether a call captures; its examples, dtype, loss scale, stage).
+        engine: The communication engine and the step's timer.
+        schedule: The factor updates, the inversions and the damping.
+        finite: Where a non-finite factor is reported (the running state's).
+        decay: ``kfac.factor_decay`` (read at each use).
+        dtype: What is made of the averages, and the updates (``kfac.inverse_dtype``).
+    """
+
+    capture: Capture
+    engine: Engine
+    schedule: Schedule
+    finite: FiniteFlags
+    decay: Callable[[], float]
+    dtype: torch.dtype
 
 
 class RankMeans:
@@ -92,30 +114,16 @@ class SideFactors:
 
     Args:
         layers: The layers whose factors are kept (their modules are hooked).
-        capture: The pipelines' factor hooks (whether a call captures; its examples, dtype, loss scale, stage).
-        engine: The communication engine and the step's timer.
-        schedule: The factor updates, the inversions and the damping.
-        finite: Where a non-finite factor is reported (the running state's).
-        decay: ``kfac.factor_decay`` (read at each use).
-        dtype: What is made of the averages (``kfac.inverse_dtype``).
+        parts: What a side block is handed.
     """
 
     what: ClassVar[str] = "a side block"
     """What the layers are, as a message names them."""
 
-    def __init__(
-        self,
-        layers: list[KFACLayer],
-        capture: Capture,
-        engine: Engine,
-        schedule: Schedule,
-        finite: FiniteFlags,
-        decay: Callable[[], float],
-        dtype: torch.dtype,
-    ) -> None:
-        self.layers, self.capture, self.engine, self.schedule = layers, capture, engine, schedule
-        self.finite, self.decay, self.dtype = finite, decay, dtype
-        self.parts = FactorParts(capture.parts.factors, capture.dtype)
+    def __init__(self, layers: list[KFACLayer], parts: SideParts) -> None:
+        self.layers, self.capture, self.engine, self.schedule = layers, parts.capture, parts.engine, parts.schedule
+        self.finite, self.decay, self.dtype = parts.finite, parts.decay, parts.dtype
+        self.parts = FactorParts(self.capture.parts.factors, self.capture.dtype)
         self.running: dict[str, Tensor] = {}
         """Each factor's running average, packed (``kfac.factor_dtype``)."""
         self.inverses: dict[str, list[Tensor]] = {}
@@ -123,7 +131,7 @@ class SideFactors:
         self.sums: dict[str, LayerCapture] = {}
         """This step's factors of each layer, by name."""
         self._pass: dict[str, int] = {}
-        self._means = RankMeans(engine)
+        self._means = RankMeans(self.engine)
         self._hooks: list[RemovableHandle] = []
         for layer in layers:
             self._hooks.append(layer.module.register_forward_pre_hook(self._a_hook(layer), with_kwargs=True))

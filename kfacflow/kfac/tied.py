@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,13 +33,10 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from kfacflow.kfac.layers import OWN_FORWARD, KFACLayer, embedding_reason, forward_kind, param_users
-from kfacflow.kfac.side_factors import SideFactors
+from kfacflow.kfac.side_factors import SideFactors, SideParts
 
 if TYPE_CHECKING:
-    from kfacflow.kfac.finite import FiniteFlags
-    from kfacflow.kfac.hooks.capture import Capture
-    from kfacflow.kfac.planning.schedule import Schedule
-    from kfacflow.kfac.strategies.contracts import Engine
+    pass
 
 logger = logging.getLogger(__name__)
 
@@ -152,23 +148,13 @@ class TiedWeights(SideFactors):
 
     Args:
         pairs: The pairs preconditioned.
-        capture, engine, schedule, finite, decay, dtype: As :class:`~kfacflow.kfac.side_factors.SideFactors` takes.
+        parts: What a side block is handed (:class:`~kfacflow.kfac.side_factors.SideParts`).
     """
 
     what = "a tied weight"
 
-    def __init__(
-        self,
-        pairs: list[TiedPair],
-        capture: Capture,
-        engine: Engine,
-        schedule: Schedule,
-        finite: FiniteFlags,
-        decay: Callable[[], float],
-        dtype: torch.dtype,
-    ) -> None:
-        layers = [layer for pair in pairs for layer in (pair.embedding, pair.head)]
-        super().__init__(layers, capture, engine, schedule, finite, decay, dtype)
+    def __init__(self, pairs: list[TiedPair], parts: SideParts) -> None:
+        super().__init__([layer for pair in pairs for layer in (pair.embedding, pair.head)], parts)
         self.tied = pairs
         self._live: list[TiedPair] = []
         for pair in pairs:
