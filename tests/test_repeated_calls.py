@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import run_in_gloo
-from test_sequence_factors import VOCAB, C, E, N, S, agree, data, step, train_variants, with_ones
+from helpers import kfac_step, run_in_gloo
+from test_sequence_factors import VOCAB, C, E, N, S, agree, data, train_variants, with_ones
 from torch import Tensor, nn
 
 from kfacflow import UserError
@@ -97,7 +97,7 @@ def test_a_linear_called_three_times_by_hand(backend: TorchBackend, factor: str)
     pre = _pre(backend, model, factor)
     for seed in (1, 2, 3):  # the first step learns the calls; the later ones hand A over at the third
         seen.clear()
-        step(model, pre, *data(seed))
+        kfac_step(model, pre, *data(seed))
         assert [rec["x"].shape[1] for rec in seen] == [S, S, TAIL]
         want_a, want_g = by_hand(seen, factor)
         torch.testing.assert_close(pre.factors["fc/A"], want_a, rtol=1e-12, atol=1e-14)
@@ -114,7 +114,7 @@ def test_factor_examples_keeps_the_same_examples_of_every_call(backend: TorchBac
     pre = _pre(backend, model, factor, factor_examples=2)
     for seed in (1, 2):
         seen.clear()
-        step(model, pre, *data(seed))
+        kfac_step(model, pre, *data(seed))
         want_a, want_g = by_hand(seen, factor, keep=2)
         torch.testing.assert_close(pre.factors["fc/A"], want_a, rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(pre.factors["fc/G"], want_g, rtol=1e-12, atol=1e-14)
@@ -124,10 +124,10 @@ def test_fewer_calls_than_the_first_step_are_reduced_too(backend: TorchBackend) 
     model = Looped().to(DT)
     seen = spy_calls(model.fc)
     pre = _pre(backend, model, "reduce")
-    step(model, pre, *data(1))
+    kfac_step(model, pre, *data(1))
     model.loops = 1
     seen.clear()
-    step(model, pre, *data(2))
+    kfac_step(model, pre, *data(2))
     assert len(seen) == 2
     want_a, want_g = by_hand(seen, "reduce")
     torch.testing.assert_close(pre.factors["fc/A"], want_a, rtol=1e-12, atol=1e-14)
@@ -210,10 +210,10 @@ class OtherBatches(nn.Module):
 def test_calls_that_see_other_examples_are_refused_under_reduce(backend: TorchBackend) -> None:
     model = OtherBatches().to(DT)
     pre = _pre(backend, model, "expand")
-    step(model, pre, *data(1))  # every call's rows are rows: nothing to match
+    kfac_step(model, pre, *data(1))  # every call's rows are rows: nothing to match
     pre.remove()
     with pytest.raises(UserError, match=r"'fc' saw 2 examples .* kfac\.factor=expand, or add 'fc' to kfac\.skip"):
-        step(model, _pre(backend, model, "reduce"), *data(1))
+        kfac_step(model, _pre(backend, model, "reduce"), *data(1))
 
 
 class TwoSizes(nn.Module):
@@ -237,7 +237,7 @@ def test_a_conv2d_on_two_image_sizes_weighs_each_call_by_its_positions(backend: 
     x, y = torch.randn(N, 2, 6, 6, dtype=DT, generator=torch.Generator().manual_seed(1)), torch.arange(N) % C
     for _ in range(2):
         seen.clear()
-        step(model, pre, x, y)
+        kfac_step(model, pre, x, y)
         patches = [with_ones(F.unfold(rec["x"], 3, padding=1).transpose(1, 2)) for rec in seen]  # (N, L_c, a_dim)
         assert [p.shape[1] for p in patches] == [36, 9]
         mean_a = (patches[0].sum(dim=1) + patches[1].sum(dim=1)) / 45
