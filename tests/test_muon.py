@@ -171,3 +171,35 @@ def test_newton_schulz_runs_in_float32_on_a_cpu_unless_asked_for_bfloat16() -> N
     torch.testing.assert_close(fine, coarse, rtol=0, atol=0.03)  # the same map, to bfloat16's rounding
     singular = torch.linalg.svdvals(fine)
     assert float(singular.min()) > 0.5 and float(singular.max()) < 1.3  # pushed towards 1, as Muon's
+
+
+def test_matrices_of_one_shape_are_orthogonalised_together_as_each_alone() -> None:
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(8, 20), (20, 8), (8, 20), (5, 2, 3, 3), (5, 18), (7, 7)]  # a tall one joins its wide twins
+    updates = [torch.randn(*s, generator=gen) for s in shapes]
+    together = muon.orthogonalised_together(updates, dtype=torch.float32)
+    assert [t.shape for t in together] == [u.shape for u in updates]
+    for u, t in zip(updates, together, strict=True):
+        torch.testing.assert_close(t, muon.orthogonalised(u, dtype=torch.float32), rtol=1e-5, atol=1e-6)
+    assert torch.equal(together[-1], muon.orthogonalised(updates[-1], dtype=torch.float32))  # alone: the same path
+
+
+def test_repeated_shapes_step_as_torch_muon() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 3))
+    twin = copy.deepcopy(model)
+    x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+    _train(model, muon.Muon(_groups(model)), x, y)
+    matrices, rest = muon.split(twin, head=False)
+    reference = [
+        torch.optim.Muon(matrices, lr=0.02, weight_decay=0.01, momentum=0.95, nesterov=True),
+        torch.optim.AdamW(rest, lr=3e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01),
+    ]
+    for step in range(STEPS):
+        for opt in reference:
+            opt.zero_grad()
+        F.cross_entropy(twin(x * (step + 1)), y).backward()
+        for opt in reference:
+            opt.step()
+    for (name, a), b in zip(model.named_parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=f"{name} differs")

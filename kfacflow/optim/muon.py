@@ -42,6 +42,44 @@ def orthogonalised(update: Tensor, steps: int = 5, eps: float = 1e-7, dtype: tor
     return (x.T if tall else x).reshape(update.shape)
 
 
+def orthogonalised_together(
+    updates: Sequence[Tensor],
+    steps: int = 5,
+    eps: float = 1e-7,
+    dtype: torch.dtype = torch.bfloat16,
+    batched: bool = True,
+) -> list[Tensor]:
+    """:func:`orthogonalised` of each of ``updates``, matrices of one shape as one batched product.
+
+    A transformer's blocks repeat their shapes, and a product of many small matrices costs mostly its
+    launch: one ``baddbmm`` over a stack does the work of many ``addmm`` (as distributed Muons batch
+    same-shape matrices). A matrix whose shape no other shares takes :func:`orthogonalised` itself, and so
+    does every matrix unless ``batched``: the step batches on a GPU only, since on a CPU the stacked products
+    measured 0.82x (ViT), 0.94-1.08x (ResNet-20) and 1.14x (GPT) the time of one at a time
+    (``tools/bench_newton_schulz.py``).
+    """
+    out: list[Tensor | None] = [None] * len(updates)
+    alike: dict[tuple[tuple[int, int], torch.device], list[int]] = {}
+    for i, u in enumerate(updates):
+        rows, cols = u.shape[0], u[0].numel()
+        alike.setdefault(((min(rows, cols), max(rows, cols)), u.device), []).append(i)
+    a, b, c = NS_COEFFICIENTS
+    for members in alike.values():
+        if len(members) == 1 or not batched:
+            for i in members:
+                out[i] = orthogonalised(updates[i], steps, eps, dtype)
+            continue
+        mats = [updates[i].reshape(updates[i].shape[0], -1).to(dtype) for i in members]
+        x = torch.stack([m.T if m.size(0) > m.size(1) else m for m in mats])
+        x = x / x.norm(dim=(1, 2), keepdim=True).clamp(min=eps)
+        for _ in range(steps):
+            gram = x @ x.mT
+            x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        for i, m, xi in zip(members, mats, x, strict=True):
+            out[i] = (xi.T if m.size(0) > m.size(1) else xi).reshape(updates[i].shape)
+    return [o for o in out if o is not None]
+
+
 def ns_dtype(name: str, p: Tensor) -> torch.dtype:
     """The Newton-Schulz iterations' dtype: ``auto`` is bfloat16 on a GPU, as in every Muon, and float32 elsewhere.
 
@@ -104,30 +142,37 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
+            stepped = [p for p in group["params"] if p.grad is not None]
+            for p in stepped:
                 if p.grad.is_sparse:
                     raise RuntimeError("optim.name=muon does not take sparse gradients (nn.Embedding(sparse=True))")
-                if group["muon"]:
-                    self._muon(p, group)
-                else:
+            if group["muon"]:
+                self._muon(stepped, group)
+            else:
+                for p in stepped:
                     self._adamw(p, group)
         return loss
 
-    def _muon(self, p: Tensor, group: dict[str, Any]) -> None:
-        """``torch.optim.Muon``'s step for one weight (a matrix, or filters taken as one)."""
-        assert p.grad is not None
-        state = self.state[p]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-        buf, momentum = state["momentum_buffer"], group["momentum"]
-        buf.lerp_(p.grad, 1 - momentum)
-        update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-        direction = orthogonalised(update, group["ns_steps"], dtype=ns_dtype(group.get("ns_dtype", "auto"), p))
+    def _muon(self, params: list[Tensor], group: dict[str, Any]) -> None:
+        """``torch.optim.Muon``'s step for a group's weights (matrices, or filters taken as one each)."""
+        if not params:
+            return
+        momentum, updates = group["momentum"], []
+        for p in params:
+            assert p.grad is not None
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+            buf = state["momentum_buffer"]
+            buf.lerp_(p.grad, 1 - momentum)
+            updates.append(p.grad.lerp(buf, momentum) if group["nesterov"] else buf)
+        dtype = ns_dtype(group.get("ns_dtype", "auto"), params[0])
+        batched = params[0].device.type == "cuda"
+        directions = orthogonalised_together(updates, group["ns_steps"], dtype=dtype, batched=batched)
         lr = group["lr"]
-        p.mul_(1 - lr * group["weight_decay"])
-        p.add_(direction, alpha=-lr * shape_scale(p.shape, group["adjust_lr"]))
+        for p, direction in zip(params, directions, strict=True):
+            p.mul_(1 - lr * group["weight_decay"])
+            p.add_(direction, alpha=-lr * shape_scale(p.shape, group["adjust_lr"]))
 
     def _adamw(self, p: Tensor, group: dict[str, Any]) -> None:
         """``torch.optim.AdamW``'s step for one parameter."""

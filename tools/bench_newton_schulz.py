@@ -1,0 +1,71 @@
+"""Time Muon's Newton-Schulz over a model's matrices: each alone against those of one shape together.
+
+    python tools/bench_newton_schulz.py vit --kwargs patch_size=7,dim=64,depth=4,heads=4,mlp_ratio=2 --image-size 28
+    python tools/bench_newton_schulz.py resnet20 --channels 1 --image-size 28
+
+The matrices are the model's Muon takes (:func:`~kfacflow.optim.muon.split`, the head left to AdamW),
+random updates of their shapes; :func:`~kfacflow.optim.muon.orthogonalised` on each in turn and
+:func:`~kfacflow.optim.muon.orthogonalised_together` on all are timed alternately, the fastest of
+``--reps`` each, on ``--threads`` threads, in float32 as a CPU runs them (``--dtype bfloat16`` as a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kfacflow.models.builtin import build_model  # noqa: E402
+from kfacflow.optim import muon  # noqa: E402
+
+
+def _fastest(fn: Callable[[], object], reps: int) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print, for each model, its matrices' shapes and the two times in milliseconds."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("models", nargs="+")
+    parser.add_argument("--kwargs", default="", help="the model's keyword arguments, k=v,... (integers)")
+    parser.add_argument("--image-size", type=int, default=0)
+    parser.add_argument("--channels", type=int, default=1)
+    parser.add_argument("--classes", type=int, default=10)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    kwargs = {k: int(v) for k, v in (kv.split("=") for kv in args.kwargs.split(",") if kv)}
+    dtype = getattr(torch, args.dtype)
+    for name in args.models:
+        model = build_model(name, args.classes, args.channels, kwargs, args.image_size)
+        matrices, _ = muon.split(model, head=False)
+        updates = [torch.randn_like(p) for p in matrices]
+        shapes = Counter((u.shape[0], u[0].numel()) for u in updates)
+        alone = together = float("inf")
+        for _ in range(2):  # alternate, so neither runs on a warmer machine
+            alone = min(
+                alone, _fastest(lambda us=updates: [muon.orthogonalised(u, dtype=dtype) for u in us], args.reps)
+            )
+            together = min(
+                together, _fastest(lambda us=updates: muon.orthogonalised_together(us, dtype=dtype), args.reps)
+            )
+        print(f"{name}: {len(updates)} matrices in {len(shapes)} shapes {dict(shapes)}")
+        print(f"  each alone {alone * 1e3:.2f} ms, one shape together {together * 1e3:.2f} ms: {together / alone:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
