@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -32,16 +33,30 @@ def _groups(model: nn.Module, head: bool = False, **kw: object) -> list[dict[str
     return muon.groups(matrices, rest, **settings, adamw_lr=3e-3, betas=(0.9, 0.999), eps=1e-8, adamw_weight_decay=0.01)  # type: ignore[arg-type]
 
 
+def _distinct_shapes() -> tuple[nn.Module, list[tuple[int, int]]]:
+    # the head (3 x 4) and the biases go to AdamW
+    return nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 4), nn.Tanh(), nn.Linear(4, 3)), [(9, 6), (4, 9)]
+
+
+def _repeated_shapes() -> tuple[nn.Module, list[tuple[int, int]]]:
+    # matrices of one shape, orthogonalised together where the step batches (a GPU)
+    layers = [nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 3)]
+    return nn.Sequential(*layers), [(8, 6), (8, 8), (8, 8)]
+
+
 @pytest.mark.parametrize("adjust_lr", ["original", "match_rms_adamw"])
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_matrices_step_as_torch_muon_and_the_rest_as_torch_adamw(adjust_lr: str, nesterov: bool) -> None:
+@pytest.mark.parametrize("built", [_distinct_shapes, _repeated_shapes])
+def test_matrices_step_as_torch_muon_and_the_rest_as_torch_adamw(
+    adjust_lr: str, nesterov: bool, built: Callable[[], tuple[nn.Module, list[tuple[int, int]]]]
+) -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 4), nn.Tanh(), nn.Linear(4, 3))
+    model, shapes = built()
     twin = copy.deepcopy(model)
     x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
     _train(model, muon.Muon(_groups(model, adjust_lr=adjust_lr, nesterov=nesterov)), x, y)
     matrices, rest = muon.split(twin, head=False)
-    assert [p.shape for p in matrices] == [(9, 6), (4, 9)]  # the head (3 x 4) and the biases go to AdamW
+    assert [p.shape for p in matrices] == shapes
     reference = [
         torch.optim.Muon(
             matrices, lr=0.02, weight_decay=0.01, momentum=0.95, nesterov=nesterov, adjust_lr_fn=adjust_lr
@@ -182,24 +197,3 @@ def test_matrices_of_one_shape_are_orthogonalised_together_as_each_alone() -> No
     for u, t in zip(updates, together, strict=True):
         torch.testing.assert_close(t, muon.orthogonalised(u, dtype=torch.float32), rtol=1e-5, atol=1e-6)
     assert torch.equal(together[-1], muon.orthogonalised(updates[-1], dtype=torch.float32))  # alone: the same path
-
-
-def test_repeated_shapes_step_as_torch_muon() -> None:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 3))
-    twin = copy.deepcopy(model)
-    x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
-    _train(model, muon.Muon(_groups(model)), x, y)
-    matrices, rest = muon.split(twin, head=False)
-    reference = [
-        torch.optim.Muon(matrices, lr=0.02, weight_decay=0.01, momentum=0.95, nesterov=True),
-        torch.optim.AdamW(rest, lr=3e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01),
-    ]
-    for step in range(STEPS):
-        for opt in reference:
-            opt.zero_grad()
-        F.cross_entropy(twin(x * (step + 1)), y).backward()
-        for opt in reference:
-            opt.step()
-    for (name, a), b in zip(model.named_parameters(), twin.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=f"{name} differs")

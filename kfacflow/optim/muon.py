@@ -58,6 +58,8 @@ def orthogonalised_together(
     measured 0.82x (ViT), 0.94-1.08x (ResNet-20) and 1.14x (GPT) the time of one at a time
     (``tools/bench_newton_schulz.py``).
     """
+    if not batched:
+        return [orthogonalised(u, steps, eps, dtype) for u in updates]
     out: list[Tensor | None] = [None] * len(updates)
     alike: dict[tuple[tuple[int, int], torch.device], list[int]] = {}
     for i, u in enumerate(updates):
@@ -65,9 +67,8 @@ def orthogonalised_together(
         alike.setdefault(((min(rows, cols), max(rows, cols)), u.device), []).append(i)
     a, b, c = NS_COEFFICIENTS
     for members in alike.values():
-        if len(members) == 1 or not batched:
-            for i in members:
-                out[i] = orthogonalised(updates[i], steps, eps, dtype)
+        if len(members) == 1:
+            out[members[0]] = orthogonalised(updates[members[0]], steps, eps, dtype)
             continue
         mats = [updates[i].reshape(updates[i].shape[0], -1).to(dtype) for i in members]
         x = torch.stack([m.T if m.size(0) > m.size(1) else m for m in mats])
