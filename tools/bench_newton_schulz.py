@@ -55,14 +55,17 @@ def main(argv: list[str] | None = None) -> None:
         matrices, _ = muon.split(model, head=False)
         updates = [torch.randn_like(p) for p in matrices]
         shapes = Counter((u.shape[0], u[0].numel()) for u in updates)
+
+        def each_alone(us: list[torch.Tensor] = updates) -> object:
+            return [muon.orthogonalised(u, dtype=dtype) for u in us]
+
+        def one_shape_together(us: list[torch.Tensor] = updates) -> object:
+            return muon.orthogonalised_together(us, dtype=dtype)
+
         alone = together = float("inf")
         for _ in range(2):  # alternate, so neither runs on a warmer machine
-            alone = min(
-                alone, _fastest(lambda us=updates: [muon.orthogonalised(u, dtype=dtype) for u in us], args.reps)
-            )
-            together = min(
-                together, _fastest(lambda us=updates: muon.orthogonalised_together(us, dtype=dtype), args.reps)
-            )
+            alone = min(alone, _fastest(each_alone, args.reps))
+            together = min(together, _fastest(one_shape_together, args.reps))
         print(f"{name}: {len(updates)} matrices in {len(shapes)} shapes {dict(shapes)}")
         print(f"  each alone {alone * 1e3:.2f} ms, one shape together {together * 1e3:.2f} ms: {together / alone:.2f}x")
 
