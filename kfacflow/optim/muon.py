@@ -16,10 +16,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+
+from kfacflow.optim.sharding import Owners, Sharding
+
+if TYPE_CHECKING:
+    from kfacflow.comm.base import Backend
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """The quintic Newton-Schulz iteration's coefficients (``torch.optim.Muon``'s, Keller Jordan's)."""
@@ -135,6 +140,61 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, groups: Iterable[dict[str, Any]]) -> None:
         super().__init__(list(groups), {})
+        self.sharding: Sharding | None = None
+
+    def shard(self, backend: Backend, how: Owners) -> None:
+        """Give each matrix one owner on ``backend``'s ranks (:mod:`kfacflow.optim.sharding`); ``replicated``: none.
+
+        Before :meth:`load_state_dict` (a resume keeps only what this rank owns). On one process, nothing.
+        """
+        if how == "replicated" or backend.world_size == 1:
+            self.sharding = None
+            return
+        matrices = [p for g in self.param_groups if g["muon"] for p in g["params"]]
+        self.sharding = Sharding(
+            matrices, backend, how, max((g["ns_steps"] for g in self.param_groups if g["muon"]), default=5)
+        )
+        self._drop_unowned()
+
+    def _drop_unowned(self) -> None:
+        for group in self.param_groups:
+            if group["muon"] and self.sharding is not None:
+                for p in group["params"]:
+                    if not self.sharding.owns(p):
+                        self.state.pop(p, None)
+
+    def replicated_states(self) -> list[dict[str, Any]]:
+        """The states every rank holds alike (:func:`kfacflow.running.consistency.check_replicas` repairs these).
+
+        Sharded momenta are their owner's alone, and none is repaired from rank 0.
+        """
+        return [
+            self.state[p]
+            for g in self.param_groups
+            if not (g["muon"] and self.sharding is not None)
+            for p in g["params"]
+            if p in self.state
+        ]
+
+    def state_dict(self) -> dict[str, Any]:  # noqa: D102 - torch.optim.Optimizer.state_dict
+        """The whole state, every owner's momenta included (collective where sharded: every rank must call it)."""
+        if self.sharding is None:
+            return super().state_dict()
+        matrices = [p for g in self.param_groups if g["muon"] for p in g["params"]]
+        gathered = self.sharding.every_momentum(matrices, self.state)
+        borrowed = [p for p in matrices if id(p) in gathered and p not in self.state]
+        for p in borrowed:
+            self.state[p] = {"momentum_buffer": gathered[id(p)]}
+        try:
+            return super().state_dict()
+        finally:
+            for p in borrowed:
+                del self.state[p]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # noqa: D102 - torch.optim.Optimizer
+        """Load the whole state; where sharded, keep the momenta of the matrices this rank owns."""
+        super().load_state_dict(state_dict)
+        self._drop_unowned()
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # noqa: D102 - torch.optim.Optimizer.step
@@ -155,9 +215,27 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _muon(self, params: list[Tensor], group: dict[str, Any]) -> None:
-        """``torch.optim.Muon``'s step for a group's weights (matrices, or filters taken as one each)."""
+        """``torch.optim.Muon``'s step for a group's weights (matrices, or filters taken as one each).
+
+        Where sharded, this rank's own matrices only, then every owner's directions gathered.
+        """
+        dtype = ns_dtype(group.get("ns_dtype", "auto"), group["params"][0])
+        shard = self.sharding
+        mine = params if shard is None else [p for p in params if shard.owns(p)]
+        directions = self._directions(mine, group, dtype)
+        if shard is None:
+            stepped = list(zip(params, directions, strict=True))
+        else:
+            stepped = shard.exchange(group["params"], {id(p): d for p, d in zip(mine, directions, strict=True)}, dtype)
+        lr = group["lr"]
+        for p, direction in stepped:
+            p.mul_(1 - lr * group["weight_decay"])
+            p.add_(direction, alpha=-lr * shape_scale(p.shape, group["adjust_lr"]))
+
+    def _directions(self, params: list[Tensor], group: dict[str, Any], dtype: torch.dtype) -> list[Tensor]:
+        """The orthogonalised momentum of each of ``params``, its momentum buffer advanced."""
         if not params:
-            return
+            return []
         momentum, updates = group["momentum"], []
         for p in params:
             assert p.grad is not None
@@ -167,13 +245,8 @@ class Muon(torch.optim.Optimizer):
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - momentum)
             updates.append(p.grad.lerp(buf, momentum) if group["nesterov"] else buf)
-        dtype = ns_dtype(group.get("ns_dtype", "auto"), params[0])
         batched = params[0].device.type == "cuda"
-        directions = orthogonalised_together(updates, group["ns_steps"], dtype=dtype, batched=batched)
-        lr = group["lr"]
-        for p, direction in zip(params, directions, strict=True):
-            p.mul_(1 - lr * group["weight_decay"])
-            p.add_(direction, alpha=-lr * shape_scale(p.shape, group["adjust_lr"]))
+        return orthogonalised_together(updates, group["ns_steps"], dtype=dtype, batched=batched)
 
     def _adamw(self, p: Tensor, group: dict[str, Any]) -> None:
         """``torch.optim.AdamW``'s step for one parameter."""

@@ -15,6 +15,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from kfacflow import UserError
+from kfacflow.comm.base import Backend
 from kfacflow.configuration.schema import OptimConfig, ScheduleConfig
 from kfacflow.optim import muon
 from kfacflow.registry import OPTIMIZERS, SCHEDULES
@@ -64,6 +65,17 @@ def muon_adamw(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
             cfg.weight_decay,
         )  # fmt: skip
     )
+
+
+def for_workers(model: nn.Module, cfg: OptimConfig, backend: Backend, accumulate: int) -> torch.optim.Optimizer:
+    """:func:`build_optimizer`, wrapped for the engine, and Muon's matrices given their owners (``optim.muon.owners``).
+
+    The owners are set on the engine's optimizer: Horovod's wrapper is a new instance of Muon's class.
+    """
+    optimizer = backend.wrap_optimizer(build_optimizer(model, cfg), model, accumulate)
+    if isinstance(optimizer, muon.Muon):
+        optimizer.shard(backend, cfg.muon.owners)
+    return optimizer
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:

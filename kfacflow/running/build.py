@@ -35,7 +35,7 @@ from kfacflow.kfac.strategies.contracts import StageSet
 from kfacflow.kfac.variants import Stages, resolve
 from kfacflow.models.builtin import build_model, check_kwargs, check_name
 from kfacflow.models.checks import check_input, check_tokens
-from kfacflow.optim.optimizers import build_optimizer, build_scheduler
+from kfacflow.optim.optimizers import build_scheduler, for_workers
 from kfacflow.perf import Profile
 from kfacflow.running.resume import check_meta, check_model
 from kfacflow.running.rundir import CHECKPOINTS, checkpoints, load_latest_checkpoint
@@ -365,7 +365,7 @@ def training(cfg: DictConfig, backend: Backend, run_dir: Path, timer: StepTimer)
         prof = profile(cfg, backend, run_dir, dtype) if needs_profile(names) else None
         kfac = preconditioner(model, cfg.kfac, backend, prof, timer, accumulate)
     net = backend.wrap_model(model)
-    optimizer = backend.wrap_optimizer(build_optimizer(model, cfg.optim), model, accumulate)
+    optimizer = for_workers(model, cfg.optim, backend, accumulate)
     loader, sampler = train_loader(train_set, cfg.data.batch_size, rank, world, cfg.train.seed, cfg.data.workers)
     val_loader = eval_loader(val_set, cfg.data.eval_batch_size or cfg.data.batch_size, rank, world, cfg.data.workers)
     steps_per_epoch = len(loader) // accumulate

@@ -93,7 +93,9 @@ def check_replicas(model: nn.Module, optimizer: torch.optim.Optimizer, backend: 
     with torch.no_grad():
         for p in params:
             take_rank0(p.data, backend)
-        for state in optimizer.state.values():
+        # a sharded optimizer's own states are one rank's each: only what every rank holds is repaired
+        shared = getattr(optimizer, "replicated_states", None)
+        for state in shared() if shared is not None else optimizer.state.values():
             for value in state.values():
                 if isinstance(value, Tensor):
                     take_rank0(value, backend)
