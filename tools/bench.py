@@ -11,6 +11,7 @@
     python tools/bench.py recipes/resnet18_synthetic.yaml --ablation exchange --intervals 1/10 --cluster  # exchange
     python tools/bench.py recipes/resnet18_synthetic.yaml --ablation measured --intervals 1/10 --cluster  # measured
     python tools/bench.py recipes/charlm_gpt.yaml --ablation kinds --intervals 10/100   # each kind of layer's cost
+    python tools/bench.py recipes/fashion_cnn.yaml --ablation owners --intervals 10/100  # Muon's Newton-Schulz owners
 
 Each configuration runs ``--steps`` steps; the first ``--warmup`` (which must cover the optimal
 fusion's profiling) are discarded and the median of the rest is the step time. With
@@ -211,6 +212,7 @@ def table(results: dict[str, dict[str, Any]], ablation: str) -> str:
         "exchange": ("flow+rows", None),
         "measured": ("flow+rows", None),
         "kinds": ("optimizer", None),
+        "owners": ("muon replicated", None),
     }[ablation]
     wide = max(12, *(len(n) for n in names))
     head = f"{'config':<{wide}} {'s/step':>8} {'inside':>8} {'outside':>8} {'gap':>6} "

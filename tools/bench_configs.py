@@ -100,6 +100,13 @@ CONFIGS: dict[str, dict[str, list[str]]] = {
         "+conv2d": ["kfac.variant=flow", "kfac.kinds=[linear,conv2d]"],
         "+norm": ["kfac.variant=flow", "kfac.kinds=[linear,conv2d,norm]"],
     },
+    "owners": {  # which worker runs each matrix's Newton-Schulz: all of them (torch.optim.Muon), or one each
+        "muon replicated": ["kfac.variant=sgd", "optim.name=muon", "optim.muon.owners=replicated"],
+        "muon round_robin": ["kfac.variant=sgd", "optim.name=muon", "optim.muon.owners=round_robin"],
+        "muon placed": ["kfac.variant=sgd", "optim.name=muon", "optim.muon.owners=placed"],
+        "kfac+muon replicated": ["kfac.variant=flow", "optim.name=muon", "optim.muon.owners=replicated"],
+        "kfac+muon placed": ["kfac.variant=flow", "optim.name=muon", "optim.muon.owners=placed"],
+    },
     "fig10": {
         "Naive": ["kfac.variant=spd", "kfac.fusion=naive"],
         "LW w/o TF": ["kfac.variant=spd", "kfac.fusion=layerwise"],
