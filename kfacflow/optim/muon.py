@@ -150,15 +150,16 @@ class Muon(torch.optim.Optimizer):
         if how == "replicated" or backend.world_size == 1:
             self.sharding = None
             return
-        matrices = [p for g in self.param_groups if g["muon"] for p in g["params"]]
-        self.sharding = Sharding(
-            matrices, backend, how, max((g["ns_steps"] for g in self.param_groups if g["muon"]), default=5)
-        )
+        steps = max((g["ns_steps"] for g in self._muon_groups()), default=5)
+        self.sharding = Sharding([p for g in self._muon_groups() for p in g["params"]], backend, how, steps)
         self._drop_unowned()
 
+    def _muon_groups(self) -> list[dict[str, Any]]:
+        return [g for g in self.param_groups if g["muon"]]
+
     def _drop_unowned(self) -> None:
-        for group in self.param_groups:
-            if group["muon"] and self.sharding is not None:
+        if self.sharding is not None:
+            for group in self._muon_groups():
                 for p in group["params"]:
                     if not self.sharding.owns(p):
                         self.state.pop(p, None)
@@ -180,8 +181,10 @@ class Muon(torch.optim.Optimizer):
         """The whole state, every owner's momenta included (collective where sharded: every rank must call it)."""
         if self.sharding is None:
             return super().state_dict()
-        matrices = [p for g in self.param_groups if g["muon"] for p in g["params"]]
-        gathered = self.sharding.every_momentum(matrices, self.state)
+        gathered: dict[int, Tensor] = {}
+        for group in self._muon_groups():  # one exchange a group, as its steps: the momenta in its weights' dtype
+            gathered.update(self.sharding.every_momentum(group["params"], self.state))
+        matrices = [p for g in self._muon_groups() for p in g["params"]]
         borrowed = [p for p in matrices if id(p) in gathered and p not in self.state]
         for p in borrowed:
             self.state[p] = {"momentum_buffer": gathered[id(p)]}

@@ -17,6 +17,7 @@ matrices it owns, on any world size.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
@@ -70,7 +71,7 @@ class Sharding:
     """
 
     def __init__(self, params: Sequence[Tensor], backend: Backend, how: Owners, steps: int = 5) -> None:
-        self.backend, self.how = backend, how
+        self.backend = backend
         owners = place([p.shape for p in params], backend.world_size, how, steps)
         self._owner = {id(p): r for p, r in zip(params, owners, strict=True)}
 
@@ -121,23 +122,13 @@ class Sharding:
         return out
 
     def every_momentum(self, params: Sequence[Tensor], state: dict[Tensor, dict[str, Tensor]]) -> dict[int, Tensor]:
-        """Each owner's momentum of ``params``, on every rank, by ``id`` (collective; for checkpoints).
+        """Each owner's momentum of ``params`` on every rank, by ``id`` (collective).
 
-        A matrix its owner never stepped has none (as in a replicated Muon's state).
+        The step's :meth:`exchange`, the momenta in place of the directions: for checkpoints. A matrix its
+        owner never stepped has none (as in a replicated Muon's state).
         """
-        device, out = self.backend.device, {}
-        for rank, ps in enumerate(self.by_owner(params)):
-            if not ps:
-                continue
-            have = [float("momentum_buffer" in state.get(p, {})) for p in ps] if rank == self.backend.rank else []
-            flags = torch.tensor(have or [0.0] * len(ps), device=device)
-            self.backend.broadcast_async(flags, rank).wait()
-            for p, has in zip(ps, flags.tolist(), strict=True):
-                if not has:
-                    continue
-                # flat, in the matrix's own order: a channels_last buffer travels as any other
-                mine = rank == self.backend.rank
-                buf = state[p]["momentum_buffer"].reshape(-1).clone() if mine else p.new_empty(p.numel())
-                self.backend.broadcast_async(buf, rank).wait()
-                out[id(p)] = state[p]["momentum_buffer"] if mine else buf.view(p.shape)
-        return out
+        if not params:
+            return {}
+        held = {id(p): state[p]["momentum_buffer"] for p in params if "momentum_buffer" in state.get(p, {})}
+        wide = functools.reduce(torch.promote_types, (p.dtype for p in params))  # no momentum rounded on the way
+        return {id(p): buf.to(p.dtype) for p, buf in self.exchange(params, held, wide)}
