@@ -15,7 +15,7 @@ from torch import nn
 
 from kfacflow.comm.torch_dist import TorchBackend
 from kfacflow.configuration.schema import DistConfig, MuonConfig, OptimConfig
-from kfacflow.optim import muon, sharding
+from kfacflow.optim import muon, owner_choice, sharding
 from kfacflow.optim.optimizers import build_optimizer, for_workers
 from kfacflow.running.consistency import check_replicas
 
@@ -169,3 +169,27 @@ def test_a_checkpoint_holds_every_momentum_and_resumes_on_another_world_size() -
         assert resumed[index].keys() == held.keys()
         for name, value in held.items():
             torch.testing.assert_close(resumed[index][name], value, rtol=1e-6, atol=1e-7)
+
+
+def test_auto_takes_owners_only_where_their_share_and_gather_beat_every_matrix() -> None:
+    assert owner_choice.Timed(replicated=1.0, owned=0.4, gather=0.5).choice() == "placed"
+    assert owner_choice.Timed(replicated=1.0, owned=0.4, gather=0.6).choice() == "replicated"  # a tie: no gather
+    assert owner_choice.Timed(replicated=0.3, owned=0.1, gather=0.5).choice() == "replicated"
+
+
+def _auto(rank: int, world: int) -> tuple[owner_choice.Timed, str, bool]:
+    backend = TorchBackend(DistConfig(device="cpu"))
+    torch.manual_seed(rank)  # unlike weights and timings on each rank: the choice must still be one
+    opt = for_workers(Net(), replace(CFG, muon=MuonConfig(owners="auto")), backend, 1)
+    timed = owner_choice.measure(opt, backend)  # type: ignore[arg-type]
+    out = (timed, "replicated" if opt.sharding is None else "placed", opt.state == {})  # type: ignore[attr-defined]
+    backend.close()
+    return out
+
+
+def test_auto_is_measured_once_and_every_rank_takes_the_same_choice() -> None:
+    ranks = run_in_gloo(_auto, 2)
+    assert ranks[0][0] == ranks[1][0]  # every rank's times gathered: the same numbers everywhere
+    assert all(t > 0 for t in (ranks[0][0].replicated, ranks[0][0].owned, ranks[0][0].gather))
+    assert ranks[0][1] == ranks[1][1]
+    assert all(untouched for _, _, untouched in ranks)  # timing on random matrices leaves no state behind

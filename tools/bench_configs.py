@@ -104,8 +104,10 @@ CONFIGS: dict[str, dict[str, list[str]]] = {
         "muon replicated": ["kfac.variant=sgd", "optim.name=muon", "optim.muon.owners=replicated"],
         "muon round_robin": ["kfac.variant=sgd", "optim.name=muon", "optim.muon.owners=round_robin"],
         "muon placed": ["kfac.variant=sgd", "optim.name=muon", "optim.muon.owners=placed"],
+        "muon auto": ["kfac.variant=sgd", "optim.name=muon", "optim.muon.owners=auto"],
         "kfac+muon replicated": ["kfac.variant=flow", "optim.name=muon", "optim.muon.owners=replicated"],
         "kfac+muon placed": ["kfac.variant=flow", "optim.name=muon", "optim.muon.owners=placed"],
+        "kfac+muon auto": ["kfac.variant=flow", "optim.name=muon", "optim.muon.owners=auto"],
     },
     "fig10": {
         "Naive": ["kfac.variant=spd", "kfac.fusion=naive"],

@@ -169,10 +169,12 @@ class MuonConfig:
     keep it."""
     adamw_lr: float = field(default=3e-3, metadata=above(0))
     """AdamW's rate for what Muon does not take (biases, norms, embeddings, the head); the schedule scales it too."""
-    owners: Literal["placed", "round_robin", "replicated"] = "placed"
+    owners: Literal["auto", "placed", "round_robin", "replicated"] = "auto"
     """On several workers, which one keeps each matrix's momentum and runs its Newton-Schulz, the finished updates
     then gathered (ZeRO-1 style; the step is the same): ``placed`` by each matrix's Newton-Schulz cost,
-    ``round_robin`` in model order, or ``replicated`` (every worker does every matrix, as ``torch.optim.Muon``)."""
+    ``round_robin`` in model order, ``replicated`` (every worker does every matrix, as ``torch.optim.Muon``), or
+    ``auto``: ``placed`` or ``replicated``, whichever is faster by one timing of each on this job as it starts
+    (logged)."""
 
 
 @dataclass

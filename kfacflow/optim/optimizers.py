@@ -17,7 +17,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from kfacflow import UserError
 from kfacflow.comm.base import Backend
 from kfacflow.configuration.schema import OptimConfig, ScheduleConfig
-from kfacflow.optim import muon
+from kfacflow.optim import muon, owner_choice
 from kfacflow.registry import OPTIMIZERS, SCHEDULES
 from kfacflow.usercode import call_factory
 
@@ -74,7 +74,7 @@ def for_workers(model: nn.Module, cfg: OptimConfig, backend: Backend, accumulate
     """
     optimizer = backend.wrap_optimizer(build_optimizer(model, cfg), model, accumulate)
     if isinstance(optimizer, muon.Muon):
-        optimizer.shard(backend, cfg.muon.owners)
+        optimizer.shard(backend, owner_choice.resolve(optimizer, backend, cfg.muon.owners))
     return optimizer
 
 

@@ -1,0 +1,107 @@
+"""``optim.muon.owners=auto``: Muon's matrices on owners where that is faster on this job, measured as it starts.
+
+Owners save Newton-Schulz work and add one gather of every matrix's direction a step. Which wins
+depends on the device and the link: on this project's CPU cluster the owners take 0.68x of
+ResNet-50's replicated step, while a GPU that orthogonalises at 100 TFLOP/s is projected to be
+faster replicated (``docs/results/projections.md``). So ``auto`` times both, once, before the first
+step: every matrix's Newton-Schulz as the replicated step runs it, this rank's ``placed`` share as
+the owners' step runs it, and the gather of the directions on the job's own link, each on random
+matrices of the weights' shapes after one warm-up of every shape. Every rank's three times are
+gathered, so all ranks take the same choice from the same numbers: the slowest rank's owned share
+plus the slowest gather against the slowest replicated pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kfacflow.optim.muon import Muon, ns_dtype, orthogonalised_together
+from kfacflow.optim.sharding import Owners, Sharding
+
+if TYPE_CHECKING:
+    from kfacflow.comm.base import Backend
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Timed:
+    """Seconds of a Muon step's matrix work, the slowest rank's each: replicated, owned (``placed``), the gather."""
+
+    replicated: float
+    owned: float
+    gather: float
+
+    def choice(self) -> Owners:
+        """``placed`` where the owners' share and the gather take less than doing every matrix."""
+        return "placed" if self.owned + self.gather < self.replicated else "replicated"
+
+
+def _seconds(fn: Callable[[], Any], device: torch.device) -> float:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda _d: None)
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def measure(optimizer: Muon, backend: Backend) -> Timed:
+    """Time the three parts on every rank and gather them (collective: every rank must call it)."""
+    groups = [g for g in optimizer.param_groups if g["muon"]]
+    matrices = [p for g in groups for p in g["params"]]
+    steps = max((g["ns_steps"] for g in groups), default=5)
+    sharding = Sharding(matrices, backend, "placed", steps)
+    device, mine = backend.device, [0.0, 0.0, 0.0]
+    for group in groups:
+        params = group["params"]
+        if not params:
+            continue
+        dtype = ns_dtype(group.get("ns_dtype", "auto"), params[0])
+        batched = params[0].device.type == "cuda"
+        updates = [torch.randn_like(p) for p in params]
+        owned = [u for p, u in zip(params, updates, strict=True) if sharding.owns(p)]
+        directions = {id(p): u for p, u in zip(params, updates, strict=True) if sharding.owns(p)}
+
+        def ortho(
+            us: list[torch.Tensor], n: int = group["ns_steps"], d: torch.dtype = dtype, b: bool = batched
+        ) -> object:
+            return orthogonalised_together(us, n, dtype=d, batched=b)
+
+        first = list({tuple(u.shape): u for u in updates}.values())  # one of each shape: kernels warmed
+        _seconds(partial(ortho, first), device)
+        mine[0] += _seconds(partial(ortho, updates), device)
+        mine[1] += _seconds(partial(ortho, owned), device)
+        gather = partial(sharding.exchange, params, directions, dtype)
+        gather()  # the link's first use of these sizes
+        mine[2] += _seconds(gather, device)
+    world = backend.world_size
+    every = backend.gather_async(torch.tensor(mine, dtype=torch.float64, device=device), [3] * world).wait()
+    slowest = every.view(world, 3).max(dim=0).values.tolist()
+    return Timed(*slowest)
+
+
+def resolve(optimizer: Muon, backend: Backend, how: str) -> Owners:
+    """``how``, or for ``auto`` the measured choice (logged with its numbers); one process: ``replicated``."""
+    if how != "auto":
+        return how  # type: ignore[return-value]  # the schema allows only the owners' names and auto
+    if backend.world_size == 1 or not any(g["muon"] for g in optimizer.param_groups):
+        return "replicated"
+    timed = measure(optimizer, backend)
+    choice = timed.choice()
+    logger.info(
+        "optim.muon.owners=auto: %s (the owners' Newton-Schulz %.1f ms + their gather %.1f ms, against %.1f ms "
+        "replicated; the slowest rank's, measured now)",
+        choice,
+        1e3 * timed.owned,
+        1e3 * timed.gather,
+        1e3 * timed.replicated,
+    )
+    return choice
