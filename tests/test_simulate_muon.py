@@ -71,6 +71,8 @@ def test_tool_prints_every_owner_choice_at_every_p(tmp_path: Path, capsys: pytes
     for how in ("replicated", "round_robin", "placed"):
         assert f"| 2 | {how} |" in out
     assert "| 1 | placed |" in out and out.count("1.000x") >= 4  # one worker: nothing placed, nothing sent
+    assert simulate_muon.main(["digits_cnn", str(profile), "--workers", "2", "--measure", "--reps", "1"]) == 0
+    assert capsys.readouterr().out.count("x\n") == 3  # timed here: each owner choice's row
 
 
 def test_tool_names_an_unknown_model_in_one_line(tmp_path: Path) -> None:
