@@ -29,6 +29,7 @@ read when the step ends.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import defaultdict
@@ -362,3 +363,18 @@ class StepTimes:
         self.early = [dict(p) for p in state["early"]]
         self.totals = [float(t) for t in state["totals"].tolist()]
         self.sums = dict(state["sums"])
+
+
+def fastest(fn: Callable[[], Any], repeat: int, device: torch.device, sync: Callable[[], None]) -> float:
+    """The fastest of ``repeat`` runs of ``fn`` (seconds), each after ``sync()`` and timed to the device's end."""
+    best = math.inf
+    for _ in range(repeat):
+        sync()  # start every rank together: a root that runs ahead makes a broadcast look free
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        tic = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - tic)
+    return best

@@ -34,7 +34,7 @@ from kfacflow.models.builtin import build_model  # noqa: E402
 from kfacflow.optim import muon  # noqa: E402
 from kfacflow.optim.sharding import Owners  # noqa: E402
 from kfacflow.perf import Profile  # noqa: E402
-from kfacflow.simulation.events import measured_compute  # noqa: E402
+from kfacflow.simulation.events import forward_backward  # noqa: E402
 from kfacflow.simulation.muon_owners import MuonStep, NewtonSchulzModel, RankSeconds, Shape, measured, project  # noqa: E402
 
 HOWS: tuple[Owners, ...] = ("replicated", "round_robin", "placed")
@@ -97,10 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         seconds = NewtonSchulzModel(args.launch, args.tflops * 1e12, args.steps)
     forward = backward = 0.0
     if args.layers:
-        layers = traced(args.layers, args.compute_scale, "--layers")
-        _, ffbp = measured_compute(layers)
-        share = layers["t_forward_total"] / max(layers["t_forward_total"] + layers["t_backward_total"], 1e-12)
-        forward, backward = ffbp * share, ffbp * (1 - share)
+        forward, backward = forward_backward(traced(args.layers, args.compute_scale, "--layers"))
     gradients = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"{args.model}: {len(shapes)} Muon matrices, {sum(s[0] * s[1] for s in shapes) / 1e6:.2f} M elements")
     rows = [

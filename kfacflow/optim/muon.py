@@ -150,16 +150,21 @@ class Muon(torch.optim.Optimizer):
         if how == "replicated" or backend.world_size == 1:
             self.sharding = None
             return
-        steps = max((g["ns_steps"] for g in self._muon_groups()), default=5)
-        self.sharding = Sharding([p for g in self._muon_groups() for p in g["params"]], backend, how, steps)
+        self.sharding = self.sharded_by(backend, how)
         self._drop_unowned()
 
-    def _muon_groups(self) -> list[dict[str, Any]]:
+    def sharded_by(self, backend: Backend, how: Owners) -> Sharding:
+        """Every Muon matrix's owner on ``backend``'s ranks by ``how``, weighed at the groups' Newton-Schulz steps."""
+        steps = max((g["ns_steps"] for g in self.muon_groups()), default=5)
+        return Sharding([p for g in self.muon_groups() for p in g["params"]], backend, how, steps)
+
+    def muon_groups(self) -> list[dict[str, Any]]:
+        """The groups Muon steps (the others are AdamW's)."""
         return [g for g in self.param_groups if g["muon"]]
 
     def _drop_unowned(self) -> None:
         if self.sharding is not None:
-            for group in self._muon_groups():
+            for group in self.muon_groups():
                 for p in group["params"]:
                     if not self.sharding.owns(p):
                         self.state.pop(p, None)
@@ -182,9 +187,9 @@ class Muon(torch.optim.Optimizer):
         if self.sharding is None:
             return super().state_dict()
         gathered: dict[int, Tensor] = {}
-        for group in self._muon_groups():  # one exchange a group, as its steps: the momenta in its weights' dtype
+        for group in self.muon_groups():  # one exchange a group, as its steps: the momenta in its weights' dtype
             gathered.update(self.sharding.every_momentum(group["params"], self.state))
-        matrices = [p for g in self._muon_groups() for p in g["params"]]
+        matrices = [p for g in self.muon_groups() for p in g["params"]]
         borrowed = [p for p in matrices if id(p) in gathered and p not in self.state]
         for p in borrowed:
             self.state[p] = {"momentum_buffer": gathered[id(p)]}

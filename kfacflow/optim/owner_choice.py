@@ -14,16 +14,15 @@ plus the slowest gather against the slowest replicated pass.
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from kfacflow.optim.muon import Muon, ns_dtype, orthogonalised_together
-from kfacflow.optim.sharding import Owners, Sharding
+from kfacflow.optim.sharding import Owners
+from kfacflow.timing import fastest
 
 if TYPE_CHECKING:
     from kfacflow.comm.base import Backend
@@ -44,44 +43,30 @@ class Timed:
         return "placed" if self.owned + self.gather < self.replicated else "replicated"
 
 
-def _seconds(fn: Callable[[], Any], device: torch.device) -> float:
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda _d: None)
-    sync(device)
-    start = time.perf_counter()
-    fn()
-    sync(device)
-    return time.perf_counter() - start
+def _alone() -> None:
+    """No rank waits for another before its part."""
 
 
 def measure(optimizer: Muon, backend: Backend) -> Timed:
     """Time the three parts on every rank and gather them (collective: every rank must call it)."""
-    groups = [g for g in optimizer.param_groups if g["muon"]]
-    matrices = [p for g in groups for p in g["params"]]
-    steps = max((g["ns_steps"] for g in groups), default=5)
-    sharding = Sharding(matrices, backend, "placed", steps)
+    sharding = optimizer.sharded_by(backend, "placed")
     device, mine = backend.device, [0.0, 0.0, 0.0]
-    for group in groups:
+    for group in optimizer.muon_groups():
         params = group["params"]
         if not params:
             continue
         dtype = ns_dtype(group.get("ns_dtype", "auto"), params[0])
-        batched = params[0].device.type == "cuda"
         updates = [torch.randn_like(p) for p in params]
-        owned = [u for p, u in zip(params, updates, strict=True) if sharding.owns(p)]
         directions = {id(p): u for p, u in zip(params, updates, strict=True) if sharding.owns(p)}
-
-        def ortho(
-            us: list[torch.Tensor], n: int = group["ns_steps"], d: torch.dtype = dtype, b: bool = batched
-        ) -> object:
-            return orthogonalised_together(us, n, dtype=d, batched=b)
-
+        batched = params[0].device.type == "cuda"
+        ortho = partial(orthogonalised_together, steps=group["ns_steps"], dtype=dtype, batched=batched)
         first = list({tuple(u.shape): u for u in updates}.values())  # one of each shape: kernels warmed
-        _seconds(partial(ortho, first), device)
-        mine[0] += _seconds(partial(ortho, updates), device)
-        mine[1] += _seconds(partial(ortho, owned), device)
+        fastest(partial(ortho, first), 1, device, _alone)
+        mine[0] += fastest(partial(ortho, updates), 1, device, _alone)
+        mine[1] += fastest(partial(ortho, list(directions.values())), 1, device, _alone)
         gather = partial(sharding.exchange, params, directions, dtype)
         gather()  # the link's first use of these sizes
-        mine[2] += _seconds(gather, device)
+        mine[2] += fastest(gather, 1, device, _alone)
     world = backend.world_size
     every = backend.gather_async(torch.tensor(mine, dtype=torch.float64, device=device), [3] * world).wait()
     slowest = every.view(world, 3).max(dim=0).values.tolist()
@@ -92,7 +77,7 @@ def resolve(optimizer: Muon, backend: Backend, how: str) -> Owners:
     """``how``, or for ``auto`` the measured choice (logged with its numbers); one process: ``replicated``."""
     if how != "auto":
         return how  # type: ignore[return-value]  # the schema allows only the owners' names and auto
-    if backend.world_size == 1 or not any(g["muon"] for g in optimizer.param_groups):
+    if backend.world_size == 1 or not optimizer.muon_groups():
         return "replicated"
     timed = measure(optimizer, backend)
     choice = timed.choice()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -14,23 +13,10 @@ import torch
 from kfacflow.comm.base import Backend
 from kfacflow.kfac.packing import pack, unpack
 from kfacflow.perf import Profile, fit
+from kfacflow.timing import fastest
 
 QUICK_DIMS = [32, 64, 128, 256, 512, 768, 1024]
 """Factor sides of the quick calibration a run does at start when it names no profile."""
-
-
-def _time(fn: Callable[[], Any], repeat: int, device: torch.device, sync: Callable[[], None]) -> float:
-    best = math.inf
-    for _ in range(repeat):
-        sync()  # start every rank together: a root that runs ahead makes a broadcast look free
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        tic = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - tic)
-    return best
 
 
 def _allreduce(backend: Backend, buf: torch.Tensor) -> None:
@@ -65,8 +51,8 @@ def measure(
     for d in dims:
         m = d * (d + 1) // 2
         buf = torch.ones(m, dtype=dtype, device=device)
-        ar = _time(partial(_allreduce, backend, buf), repeat, device, backend.barrier)
-        bc = _time(partial(_broadcast, backend, buf), repeat, device, backend.barrier)
+        ar = fastest(partial(_allreduce, backend, buf), repeat, device, backend.barrier)
+        bc = fastest(partial(_broadcast, backend, buf), repeat, device, backend.barrier)
         x = torch.randn(d, d, generator=gen, dtype=dtype).to(device)
         # As the preconditioner does: running averages stay packed and a factor is unpacked to invert it.
         packed = pack(x @ x.T / d)
@@ -75,7 +61,7 @@ def measure(
         seconds: dict[int, float] = {}  # the default method is usually one of ``methods`` too: time it once
         for key, method in timed.items():
             if id(method) not in seconds:
-                seconds[id(method)] = _time(lambda: method(unpack(packed, d), 1e-3), repeat, device, backend.barrier)  # noqa: B023
+                seconds[id(method)] = fastest(lambda: method(unpack(packed, d), 1e-3), repeat, device, backend.barrier)  # noqa: B023
             out[key].append([d, seconds[id(method)]])
     for key in out:
         times = torch.tensor([s for _, s in out[key]], dtype=torch.float64)

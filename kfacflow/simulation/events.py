@@ -228,9 +228,9 @@ def _passes(
     hooks, ffbp = measured_compute(layers)
     # Layer times come from hooks; scale them so forward + backward add up to the measured FF&BP,
     # which excludes the factor work and the communication launched inside the hooks.
-    share = layers["t_forward_total"] / max(layers["t_forward_total"] + layers["t_backward_total"], 1e-12)
-    f_scale = ffbp * share / (sum(r["t_forward"] for r in rows) or 1.0)
-    b_scale = ffbp * (1 - share) / (sum(r["t_backward"] for r in rows) or 1.0)
+    f_total, b_total = forward_backward(layers)
+    f_scale = f_total / (sum(r["t_forward"] for r in rows) or 1.0)
+    b_scale = b_total / (sum(r["t_backward"] for r in rows) or 1.0)
     t = 0.0
     forward: list[Ready] = []
     for r in rows:
@@ -353,6 +353,13 @@ def measured_compute(layers: dict[str, Any]) -> tuple[float, float]:
     hooks = sum(r["t_factor_a"] + r["t_factor_g"] for r in layers["layers"])
     ffbp = layers["breakdown"].get("FF&BP", layers["t_forward_total"] + layers["t_backward_total"] - hooks)
     return hooks, ffbp
+
+
+def forward_backward(layers: dict[str, Any]) -> tuple[float, float]:
+    """The traced step's FF&BP (seconds), split as its forward and backward totals split."""
+    _, ffbp = measured_compute(layers)
+    share = layers["t_forward_total"] / max(layers["t_forward_total"] + layers["t_backward_total"], 1e-12)
+    return ffbp * share, ffbp * (1 - share)
 
 
 def inverse_costs(rows: list[dict[str, Any]], profile: Profile, use_measured: bool) -> list[float]:
