@@ -1,10 +1,14 @@
 """Stage timers: the paper's six-part step breakdown, and per-layer events for a timeline.
 
 Categories follow the paper (Fig. 9): ``FF&BP`` (forward and backward compute), ``GradComm``
-(gradient all-reduce), ``FactorComp``, ``FactorComm``, ``InverseComp``, ``InverseComm``, plus
-``Other`` (preconditioning, optimizer, the step's checks) and ``Between`` (from the end of the
-previous step to the start of this one: the next batch, logging). A step's time is the wall
-interval from the end of the previous step to its own end, so consecutive steps tile the run and
+(gradient all-reduce), ``FactorComp``, ``FactorComm``, ``InverseComp``, ``InverseComm`` (under
+``kfac.broadcast=update`` the owners' updates travel there in the inverses' place), then what the
+paper's figure calls "other", in four parts: ``Precondition`` (each layer's update from its
+inverses, and the KL clipping of them all), ``NewtonSchulz`` (Muon's momentum and orthogonalisation
+on this rank), ``MuonComm`` (waiting for the gather of Muon's owners' directions:
+``optim.muon.owners``), ``Other`` (the rest of the optimizer, the step's checks), and ``Between``
+(from the end of the previous step to the start of this one: the next batch, logging). A step's
+time is the wall interval from the end of the previous step to its own end, so consecutive steps tile the run and
 every second is in some part; only evaluations, checkpoints and a traced step's files, which are
 not steps, are left out (:meth:`StepTimer.outside`).
 Communication is the time the step *waits* for it (launch overhead plus blocking waits), not
@@ -39,7 +43,10 @@ from typing import Any
 
 import torch
 
-CATEGORIES = ("FF&BP", "GradComm", "FactorComp", "FactorComm", "InverseComp", "InverseComm", "Other", "Between")
+CATEGORIES: tuple[str, ...] = ("FF&BP", "GradComm", "FactorComp", "FactorComm", "InverseComp", "InverseComm")
+CATEGORIES += ("Precondition", "NewtonSchulz", "MuonComm", "Other", "Between")
+PAPER_OTHER = ("Precondition", "NewtonSchulz", "MuonComm", "Other")
+"""The parts the paper's breakdown counts as one "other" (the simulator models them as measured)."""
 LANES = (
     "forward",
     "backward",

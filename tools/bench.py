@@ -216,10 +216,10 @@ def table(results: dict[str, dict[str, Any]], ablation: str) -> str:
     }[ablation]
     wide = max(12, *(len(n) for n in names))
     head = f"{'config':<{wide}} {'s/step':>8} {'inside':>8} {'outside':>8} {'gap':>6} "
-    lines = [head + " ".join(f"{c:>11}" for c in CATEGORIES)]
+    lines = [head + " ".join(f"{c:>12}" for c in CATEGORIES)]
     for name in names:
         r = results[name]
-        parts = " ".join(f"{r['breakdown_s'][c]:>11.3f}" if r["breakdown_s"] else f"{'-':>11}" for c in CATEGORIES)
+        parts = " ".join(f"{r['breakdown_s'][c]:>12.3f}" if r["breakdown_s"] else f"{'-':>12}" for c in CATEGORIES)
         inside, outside, gap = "-", "-", "-"
         if r.get("outside_step_s") is not None:
             inside, outside = f"{r['inside_step_s']:.3f}", f"{r['outside_step_s']:.3f}"

@@ -108,6 +108,12 @@ CONFIGS: dict[str, dict[str, list[str]]] = {
         "kfac+muon replicated": ["kfac.variant=flow", "optim.name=muon", "optim.muon.owners=replicated"],
         "kfac+muon placed": ["kfac.variant=flow", "optim.name=muon", "optim.muon.owners=placed"],
         "kfac+muon auto": ["kfac.variant=flow", "optim.name=muon", "optim.muon.owners=auto"],
+        "kfac+muon overlap": [
+            "kfac.variant=flow",
+            "optim.name=muon",
+            "optim.muon.owners=replicated",
+            "kfac.grad_sync=overlap",
+        ],
     },
     "fig10": {
         "Naive": ["kfac.variant=spd", "kfac.fusion=naive"],

@@ -238,7 +238,7 @@ def versions(device: torch.device) -> dict[str, Any]:
     return found
 
 
-PARTS = ("FF&BP", "FactorComp", "FactorComm", "InverseComp", "InverseComm", "Other", "Between")
+PARTS = ("FF&BP", "FactorComp", "FactorComm", "InverseComp", "InverseComm", "Precondition", "Other", "Between")
 
 
 def table(result: dict[str, Any]) -> str:

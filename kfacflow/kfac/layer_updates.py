@@ -45,17 +45,16 @@ class LayerUpdates:
 
     def layer(self, layer: KFACLayer, grad: Tensor) -> Tensor:
         """Return one layer's update from its gradient matrix and its two inverses (timed per layer)."""
-        t0 = self.timer.now()
         times = self.life.layer_times
-        start = times.start() if times.measuring else None
         inverses = self.state.inverses
         a_inv, g_inv = inverses[f"{layer.name}/A"], inverses[f"{layer.name}/G"]
         rows = self.rows.get(layer.name)
         stage = self.stage
-        update = stage.layer(grad, a_inv, g_inv) if rows is None else stage.layer(grad, a_inv, g_inv, rows)
-        if start is not None:
-            times.note(layer.name, start)
-        self.timer.record(layer.name, "precondition", t0, self.timer.now())
+        with self.timer.span("Precondition", layer.name, "precondition"):
+            start = times.start() if times.measuring else None
+            update = stage.layer(grad, a_inv, g_inv) if rows is None else stage.layer(grad, a_inv, g_inv, rows)
+            if start is not None:
+                times.note(layer.name, start)
         return update
 
     def precondition(self, lr: float, sent: list[Sent], gradients: Gradients | None) -> None:
@@ -70,18 +69,19 @@ class LayerUpdates:
             self.state, self.life, self.engine, self, live, sent, stages.pipeline.early
         )
         stage = self.stage
-        pairs = self.sides.pairs() if self.sides is not None else []  # the gradients are averaged by now
-        if stage.clips:
-            contributions = [*contributions, *(stage.contribution(v, g) for v, g in pairs)]
-        final = stage.finish([updates[layer.name] for layer, _ in live] + [v for v, _ in pairs], contributions, lr)
-        scale = getattr(stage, "scale", None)
-        if scale is not None:  # added on the device: no synchronisation a step
-            total, n = self.clip_sum or (0.0, 0)
-            self.clip_sum = (scale + total, n + 1)
-        for (layer, _), update in zip(live, final[: len(live)], strict=True):
-            layer.set_grad(update)
-        if self.sides is not None:
-            self.sides.set_grads(final[len(live) :])
+        with self.timer.span("Precondition"):  # the side blocks' updates, the clipping, the writes into the grads
+            pairs = self.sides.pairs() if self.sides is not None else []  # the gradients are averaged by now
+            if stage.clips:
+                contributions = [*contributions, *(stage.contribution(v, g) for v, g in pairs)]
+            final = stage.finish([updates[layer.name] for layer, _ in live] + [v for v, _ in pairs], contributions, lr)
+            scale = getattr(stage, "scale", None)
+            if scale is not None:  # added on the device: no synchronisation a step
+                total, n = self.clip_sum or (0.0, 0)
+                self.clip_sum = (scale + total, n + 1)
+            for (layer, _), update in zip(live, final[: len(live)], strict=True):
+                layer.set_grad(update)
+            if self.sides is not None:
+                self.sides.set_grads(final[len(live) :])
 
     def mean_clip_scale(self) -> float | None:
         """The mean factor KL clipping scaled the updates by over the steps since the last call (1: none was clipped).

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 
 from kfacflow import UserError
 from kfacflow.kfac.hooks.layer_sums import call_input, examples_first, full_precision, leading, unscaled
@@ -128,9 +127,9 @@ class NormDiagonals:
         self._pass: dict[str, int] = {}
         self._means = RankMeans(self.engine)
         self._live: list[tuple[NormLayer, list[Tensor]]] = []
-        self._hooks: list[RemovableHandle] = [
-            norm.module.register_forward_hook(self._hook(norm), with_kwargs=True) for norm in norms
-        ]
+        self._key = f"norms@{id(self)}"
+        for norm in norms:  # on the modules while the capture captures (:mod:`kfacflow.kfac.hooks.switch`)
+            self.capture.hooks.add(self._key, norm.module, post=self._hook(norm))
         if norms:
             logger.info("K-FAC on %d norms' scale and shift, by their diagonal Fisher", len(norms))
 
@@ -253,6 +252,4 @@ class NormDiagonals:
 
     def remove(self) -> None:
         """Take the hooks off the norms."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
+        self.capture.hooks.remove({self._key})

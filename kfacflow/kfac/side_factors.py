@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 
 from kfacflow import UserError
 from kfacflow.kfac.finite import FiniteFlags, blend
@@ -132,10 +131,9 @@ class SideFactors:
         """This step's factors of each layer, by name."""
         self._pass: dict[str, int] = {}
         self._means = RankMeans(self.engine)
-        self._hooks: list[RemovableHandle] = []
-        for layer in layers:
-            self._hooks.append(layer.module.register_forward_pre_hook(self._a_hook(layer), with_kwargs=True))
-            self._hooks.append(layer.module.register_forward_hook(self._g_hook(layer), with_kwargs=True))
+        self._key = f"{type(self).__name__}@{id(self)}"
+        for layer in layers:  # on the modules while the capture captures (:mod:`kfacflow.kfac.hooks.switch`)
+            self.capture.hooks.add(self._key, layer.module, self._a_hook(layer), self._g_hook(layer))
 
     def _counts(self, module: nn.Module) -> bool:
         """Whether this call adds to the factors (a factor update; not a forward run again in backward)."""
@@ -258,9 +256,7 @@ class SideFactors:
 
     def remove(self) -> None:
         """Take the hooks off the modules."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
+        self.capture.hooks.remove({self._key})
 
 
 def _keys(layer: KFACLayer) -> tuple[tuple[str, int], tuple[str, int]]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,6 +26,7 @@ from kfacflow.optim.sharding import Owners, Sharding
 
 if TYPE_CHECKING:
     from kfacflow.comm.base import Backend
+    from kfacflow.timing import StepTimer
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """The quintic Newton-Schulz iteration's coefficients (``torch.optim.Muon``'s, Keller Jordan's)."""
@@ -141,6 +143,8 @@ class Muon(torch.optim.Optimizer):
     def __init__(self, groups: Iterable[dict[str, Any]]) -> None:
         super().__init__(list(groups), {})
         self.sharding: Sharding | None = None
+        self.timer: StepTimer | None = None
+        """Where the step's ``NewtonSchulz`` and ``MuonComm`` go (the trainer's), or nowhere."""
 
     def shard(self, backend: Backend, how: Owners) -> None:
         """Give each matrix one owner on ``backend``'s ranks (:mod:`kfacflow.optim.sharding`); ``replicated``: none.
@@ -230,15 +234,20 @@ class Muon(torch.optim.Optimizer):
         dtype = ns_dtype(group.get("ns_dtype", "auto"), group["params"][0])
         shard = self.sharding
         mine = params if shard is None else [p for p in params if shard.owns(p)]
-        directions = self._directions(mine, group, dtype)
+        with self._span("NewtonSchulz"):
+            directions = self._directions(mine, group, dtype)
         if shard is None:
             stepped = list(zip(params, directions, strict=True))
         else:
-            stepped = shard.exchange(group["params"], {id(p): d for p, d in zip(mine, directions, strict=True)}, dtype)
+            with self._span("MuonComm"):
+                stepped = shard.exchange(group["params"], dict(zip(map(id, mine), directions, strict=True)), dtype)
         lr = group["lr"]
         for p, direction in stepped:
             p.mul_(1 - lr * group["weight_decay"])
             p.add_(direction, alpha=-lr * shape_scale(p.shape, group["adjust_lr"]))
+
+    def _span(self, part: str) -> Any:
+        return nullcontext() if self.timer is None else self.timer.span(part)
 
     def _directions(self, params: list[Tensor], group: dict[str, Any], dtype: torch.dtype) -> list[Tensor]:
         """The orthogonalised momentum of each of ``params``, its momentum buffer advanced."""

@@ -19,6 +19,7 @@ from kfacflow.comm.base import Backend
 from kfacflow.configuration.schema import OptimConfig, ScheduleConfig
 from kfacflow.optim import muon, owner_choice
 from kfacflow.registry import OPTIMIZERS, SCHEDULES
+from kfacflow.timing import StepTimer
 from kfacflow.usercode import call_factory
 
 Multiplier = Callable[[int], float]
@@ -67,14 +68,18 @@ def muon_adamw(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     )
 
 
-def for_workers(model: nn.Module, cfg: OptimConfig, backend: Backend, accumulate: int) -> torch.optim.Optimizer:
+def for_workers(
+    model: nn.Module, cfg: OptimConfig, backend: Backend, accumulate: int, timer: StepTimer | None = None
+) -> torch.optim.Optimizer:
     """:func:`build_optimizer`, wrapped for the engine, and Muon's matrices given their owners (``optim.muon.owners``).
 
     The owners are set on the engine's optimizer: Horovod's wrapper is a new instance of Muon's class.
+    Muon's Newton-Schulz and gather are parts of the step's breakdown in ``timer``.
     """
     optimizer = backend.wrap_optimizer(build_optimizer(model, cfg), model, accumulate)
     if isinstance(optimizer, muon.Muon):
         optimizer.shard(backend, owner_choice.resolve(optimizer, backend, cfg.muon.owners))
+        optimizer.timer = timer
     return optimizer
 
 

@@ -365,7 +365,7 @@ def training(cfg: DictConfig, backend: Backend, run_dir: Path, timer: StepTimer)
         prof = profile(cfg, backend, run_dir, dtype) if needs_profile(names) else None
         kfac = preconditioner(model, cfg.kfac, backend, prof, timer, accumulate)
     net = backend.wrap_model(model)
-    optimizer = for_workers(model, cfg.optim, backend, accumulate)
+    optimizer = for_workers(model, cfg.optim, backend, accumulate, timer)
     loader, sampler = train_loader(train_set, cfg.data.batch_size, rank, world, cfg.train.seed, cfg.data.workers)
     val_loader = eval_loader(val_set, cfg.data.eval_batch_size or cfg.data.batch_size, rank, world, cfg.data.workers)
     steps_per_epoch = len(loader) // accumulate

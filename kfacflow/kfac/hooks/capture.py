@@ -38,7 +38,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 
 from kfacflow.kfac.exchange import Contribution
 from kfacflow.kfac.hooks.factor_parts import FactorParts
@@ -61,6 +60,7 @@ from kfacflow.kfac.hooks.layer_sums import (
     unscaled,
 )
 from kfacflow.kfac.hooks.pass_rows import PassRows
+from kfacflow.kfac.hooks.switch import FactorHooks
 from kfacflow.kfac.layers import KFACLayer
 from kfacflow.kfac.stages.contracts import FactorStage
 from kfacflow.kfac.stages.inverse import warn_once
@@ -112,7 +112,6 @@ class Capture:
         self.handover = Handover(lambda key, factor: self.push(key, factor), gather)
         self.timer = timer
         self.accumulate = accumulate
-        self.active = True
         self.uses: dict[str, int] | None = None
         """Forward calls per pass of each layer kept, learnt on the first capturing step."""
         self.micro = 0
@@ -139,13 +138,19 @@ class Capture:
         examples as one that sees ``(N, S, E)``. ``None`` (a Capture used without a model's hook):
         each call's leading dimension.
         """
-        self._hooks: dict[str, list[RemovableHandle]] = {
-            layer.name: [
-                layer.module.register_forward_pre_hook(self._a_hook(layer), with_kwargs=True),
-                layer.module.register_forward_hook(self._g_hook(layer), with_kwargs=True),
-            ]
-            for layer in layers
-        }
+        self.hooks = FactorHooks()
+        """Every factor hook (the side blocks' too), on the modules only while :attr:`active`."""
+        for layer in layers:
+            self.hooks.add(layer.name, layer.module, self._a_hook(layer), self._g_hook(layer))
+
+    @property
+    def active(self) -> bool:
+        """Whether this step updates factors (the preconditioner sets it): the factor hooks are on the modules."""
+        return self.hooks.on
+
+    @active.setter
+    def active(self, on: bool) -> None:
+        self.hooks.switch(on)
 
     def capturing(self, module: nn.Module) -> bool:
         """Whether this call of ``module`` contributes to the factors."""
@@ -354,17 +359,12 @@ class Capture:
 
     def drop(self, names: set[str]) -> None:
         """Stop capturing the layers ``names`` (they left K-FAC) and remove their hooks."""
-        for name in names:
-            for handle in self._hooks.pop(name, []):
-                handle.remove()
+        self.hooks.drop(names)
         self.layers = [layer for layer in self.layers if layer.name not in names]
         if self.uses is not None:
             self.uses = {name: n for name, n in self.uses.items() if name not in names}
         self.handover.keep({f"{layer.name}/{side}" for layer in self.layers for side in "AG"})
 
     def remove(self) -> None:
-        """Remove the hooks."""
-        for handles in self._hooks.values():
-            for handle in handles:
-                handle.remove()
-        self._hooks = {}
+        """Remove the layers' hooks for good."""
+        self.hooks.drop({layer.name for layer in self.layers})

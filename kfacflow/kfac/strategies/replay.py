@@ -16,6 +16,7 @@ from typing import Any
 
 from kfacflow.kfac.planning.plan import StepPlan
 from kfacflow.perf import Profile
+from kfacflow.timing import PAPER_OTHER
 
 BUCKET_ELEMENTS = 25 * 2**20 // 4
 """DDP's default gradient bucket (25 MiB of float32)."""
@@ -144,14 +145,15 @@ def precondition_costs(rows: list[dict[str, Any]], measured: dict[str, float]) -
     A layer the traced rank did not precondition (another rank owned it) takes the seconds its owner
     took where the trace has them (``t_precondition_elsewhere``), else the traced seconds per
     multiply-add, ``a g (a + g)``, of those the traced rank did (a layer preconditioned from its rows
-    costs far less than that). What the traced rank did precondition is taken out of ``Other``, and
-    the remainder is the step's other work.
+    costs far less than that). What the traced rank did precondition is taken out of the paper's
+    "other" (:data:`~kfacflow.timing.PAPER_OTHER`: a trace of before it was split has ``Other`` alone),
+    and the remainder is the step's other work.
     """
     flops = {r["name"]: r["a_dim"] * r["g_dim"] * (r["a_dim"] + r["g_dim"]) for r in rows}
     traced = {r["name"]: r["t_precondition"] for r in rows if r.get("t_precondition") is not None}
     owners = {r["name"]: r["t_precondition_elsewhere"] for r in rows if r.get("t_precondition_elsewhere") is not None}
     rate = sum(traced.values()) / (sum(flops[n] for n in traced) or 1)
-    rest = max(0.0, measured.get("Other", 0.0) - sum(traced.values()))
+    rest = max(0.0, sum(measured.get(part, 0.0) for part in PAPER_OTHER) - sum(traced.values()))
     return {n: traced.get(n, owners.get(n, rate * f)) for n, f in flops.items()}, rest
 
 
