@@ -8,8 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import last_line, run_cli
+from helpers import kfac_step, last_line, run_cli
+from test_norm_factors import DT, KINDS, Normed, data
 
+from kfacflow.comm.torch_dist import TorchBackend
+from kfacflow.configuration.schema import KFACConfig
+from kfacflow.optim import muon
+from kfacflow.running import build
 from kfacflow.timing import CATEGORIES, StepTimer, chrome_trace, summarize
 
 
@@ -183,3 +188,23 @@ def test_traced_steps_average_each_time_over_the_steps_that_measured_it() -> Non
     (row,) = profile["layers"]
     assert row["name"] == "l1" and row["a_dim"] == 3
     assert row["t_forward"] == pytest.approx(0.2) and row["t_inverse_a"] == pytest.approx(0.5)
+
+
+def test_the_preconditioning_and_muons_newton_schulz_are_parts_of_their_own(backend: TorchBackend) -> None:
+    model = Normed().to(DT)
+    timer = StepTimer(torch.device("cpu"))
+    pre = build.preconditioner(model, KFACConfig(kinds=KINDS), backend, timer=timer)
+    matrices, rest = muon.split(model, head=False)
+    opt = muon.Muon(
+        muon.groups(matrices, rest, 0.02, 0.95, True, 0.0, "original", 5, "auto", 1e-3, (0.9, 0.95), 1e-8, 0.0)
+    )
+    opt.timer = timer
+    for seed in range(2):
+        timer.begin_step()
+        kfac_step(model, pre, *data(seed))
+        opt.step()
+        parts = timer.end_step()
+        assert parts["Precondition"] > 0 and parts["NewtonSchulz"] > 0  # the fc's update and its Newton-Schulz
+        assert parts["MuonComm"] == 0  # one process: nothing gathered
+        assert sum(parts[c] for c in CATEGORIES) == pytest.approx(parts["total"], rel=1e-6)
+    pre.remove()
