@@ -17,6 +17,8 @@ from helpers import QUICK, ROOT, run_tool
 sys.path.insert(0, str(ROOT / "tools"))
 
 import bench  # noqa: E402
+import bench_hooks  # noqa: E402
+import bench_newton_schulz  # noqa: E402
 import fetch_fashion_mnist  # noqa: E402
 import simulate  # noqa: E402
 import tta  # noqa: E402
@@ -119,10 +121,14 @@ BAD = [
     ("simulate.py", (*SIM, "--set", "broadcast.alpha=inf"), "--set", None),
     ("simulate.py", (*SIM, "--json", "{afile}/out.json"), "--json", None),
     ("simulate.py", (*SIM, "--json", "{adir}"), "--json", None),
+    ("bench_hooks.py", ("vit", "--kwargs", "patch_size=7,dim"), "--kwargs", None),
+    ("bench_newton_schulz.py", ("vit", "--kwargs", "dim=sixty"), "--kwargs", None),
 ]
 """Tool, arguments, the argument the error line must name, and why the case is skipped as root (None: never)."""
 MAINS = {
     "bench.py": bench.main,
+    "bench_hooks.py": bench_hooks.main,
+    "bench_newton_schulz.py": bench_newton_schulz.main,
     "tta.py": tta.main,
     "fetch_fashion_mnist.py": fetch_fashion_mnist.main,
     "simulate.py": simulate.main,

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tool_args import int_kwargs  # noqa: E402 - tools/, beside this file
+
 from kfacflow.comm.torch_dist import TorchBackend  # noqa: E402
 from kfacflow.configuration.schema import DistConfig, KFACConfig  # noqa: E402
 from kfacflow.models.builtin import build_model  # noqa: E402
@@ -35,7 +37,9 @@ def main(argv: list[str] | None = None) -> None:
     """Print the pass's milliseconds both ways and their ratio."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model")
-    parser.add_argument("--kwargs", default="", help="model kwargs, k=v,k=v (integers)")
+    parser.add_argument(
+        "--kwargs", type=int_kwargs, default={}, help="the model's keyword arguments, k=v,... (integers)"
+    )
     parser.add_argument("--channels", type=int, default=1)
     parser.add_argument("--image-size", type=int, default=28)
     parser.add_argument("--batch", type=int, default=64)
@@ -43,8 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    kwargs = {k: int(v) for k, v in (item.split("=") for item in args.kwargs.split(",") if item)}
-    model = build_model(args.model, 10, args.channels, kwargs, args.image_size)
+    model = build_model(args.model, 10, args.channels, args.kwargs, args.image_size)
     os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29531"})
     backend = TorchBackend(DistConfig(device="cpu"))
     kinds = ["linear", "conv2d", "norm"]

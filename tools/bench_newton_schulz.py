@@ -22,6 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tool_args import int_kwargs  # noqa: E402 - tools/, beside this file
+
 from kfacflow.models.builtin import build_model  # noqa: E402
 from kfacflow.optim import muon  # noqa: E402
 
@@ -39,7 +41,9 @@ def main(argv: list[str] | None = None) -> None:
     """Print, for each model, its matrices' shapes and the two times in milliseconds."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("models", nargs="+")
-    parser.add_argument("--kwargs", default="", help="the model's keyword arguments, k=v,... (integers)")
+    parser.add_argument(
+        "--kwargs", type=int_kwargs, default={}, help="the model's keyword arguments, k=v,... (integers)"
+    )
     parser.add_argument("--image-size", type=int, default=0)
     parser.add_argument("--channels", type=int, default=1)
     parser.add_argument("--classes", type=int, default=10)
@@ -48,10 +52,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    kwargs = {k: int(v) for k, v in (kv.split("=") for kv in args.kwargs.split(",") if kv)}
     dtype = getattr(torch, args.dtype)
     for name in args.models:
-        model = build_model(name, args.classes, args.channels, kwargs, args.image_size)
+        model = build_model(name, args.classes, args.channels, args.kwargs, args.image_size)
         matrices, _ = muon.split(model, head=False)
         updates = [torch.randn_like(p) for p in matrices]
         shapes = Counter((u.shape[0], u[0].numel()) for u in updates)

@@ -82,6 +82,19 @@ def counts(low: int, example: str) -> Callable[[str], list[int]]:
     return listed(count(low, example.split(",")[0]), example)
 
 
+def int_kwargs(text: str) -> dict[str, int]:
+    """An argparse type: a model's keyword arguments as ``k=v,k=v`` with whole-number values ("": none)."""
+    out: dict[str, int] = {}
+    for item in (part.strip() for part in text.split(",") if part.strip()):
+        key, _, value = (side.strip() for side in item.partition("="))
+        if not key or not value.lstrip("-").isdigit():
+            raise argparse.ArgumentTypeError(
+                f"{item!r} is not key=whole number; give k=v,k=v, e.g. patch_size=7,dim=64"
+            )
+        out[key] = int(value)
+    return out
+
+
 def out_folder(path: Path, arg: str) -> None:
     """Check, creating nothing, that the tool can make ``path`` (a folder it writes into) or write into it.
 
