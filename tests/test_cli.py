@@ -94,6 +94,11 @@ def assert_user_error(rc: int | None, exc: BaseException | None, err: str, must:
 
 # (argv after the SAFE overrides; "{tmp}" is tmp_path), strings the one error line must contain.
 MISTAKES = [
+    pytest.param(
+        [QUICK, "optim.name=muon", "optim.muon.owners=kfac"],
+        ("optim.muon.owners=kfac", "kfac.broadcast is packed", "optim.muon.owners=placed"),
+        id="muon-owners-without-update-owners",
+    ),
     pytest.param([QUICK, "kfac.dampin=0.1"], ("kfac.dampin", "damping"), id="unknown-key"),
     pytest.param([QUICK, "kfc.damping=1"], ("kfc", "kfac"), id="unknown-section"),
     pytest.param([QUICK, "launch.nproc=1000"], ("data.batch_size", "launch.nproc"), id="more-workers-than-samples"),

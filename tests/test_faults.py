@@ -27,7 +27,14 @@ from kfacflow.running import build
 QUICK = str(ROOT / "recipes" / "quickstart.yaml")
 
 
-def _train_with_nan(rank: int, world: int, out: str, bad_steps: list[int], max_nonfinite: int) -> dict[str, Any]:
+def _train_with_nan(
+    rank: int,
+    world: int,
+    out: str,
+    bad_steps: list[int],
+    max_nonfinite: int,
+    extra: tuple[str, ...] = ("kfac.variant=d",),
+) -> dict[str, Any]:
     """Train 6 steps; on rank 1 the output is NaN at the given steps."""
     from kfacflow.running.trainer import Trainer
 
@@ -40,7 +47,7 @@ def _train_with_nan(rank: int, world: int, out: str, bad_steps: list[int], max_n
             "train.dtype=float64",
             f"train.max_nonfinite={max_nonfinite}",
             "data.batch_size=16",
-            "kfac.variant=d",
+            *extra,
         ],
     )
     backend = TorchBackend(cfg.dist)
@@ -70,9 +77,14 @@ def _train_with_nan(rank: int, world: int, out: str, bad_steps: list[int], max_n
     }
 
 
+OWNED_MUON = ("kfac.variant=flow", "optim.name=muon", "optim.lr=0.02", "optim.muon.owners=kfac")
+"""K-FAC + Muon, each layer's Muon momentum on its owner: a skipped step must leave the owners' momenta as they were."""
+
+
 @pytest.mark.slow
-def test_nonfinite_step_is_skipped_on_every_rank_together(tmp_path: Path) -> None:
-    results = run_in_gloo(_train_with_nan, 2, str(tmp_path), [2], 5, timeout=180)
+@pytest.mark.parametrize("extra", [("kfac.variant=d",), OWNED_MUON], ids=["d", "muon-on-owners"])
+def test_nonfinite_step_is_skipped_on_every_rank_together(tmp_path: Path, extra: tuple[str, ...]) -> None:
+    results = run_in_gloo(_train_with_nan, 2, str(tmp_path), [2], 5, extra, timeout=180)
     for r in results:
         assert r["error"] is None
         assert r["skipped"] == 1 and r["summary_skipped"] == 1 and r["step"] == 6

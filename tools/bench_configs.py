@@ -107,6 +107,13 @@ CONFIGS: dict[str, dict[str, list[str]]] = {
         "muon auto": ["kfac.variant=sgd", "optim.name=muon", "optim.muon.owners=auto"],
         "kfac+muon replicated": ["kfac.variant=flow", "optim.name=muon", "optim.muon.owners=replicated"],
         "kfac+muon placed": ["kfac.variant=flow", "optim.name=muon", "optim.muon.owners=placed"],
+        "kfac+muon kfac": ["kfac.variant=flow", "optim.name=muon", "optim.muon.owners=kfac"],
+        "kfac+muon kfac overlap": [
+            "kfac.variant=flow",
+            "optim.name=muon",
+            "optim.muon.owners=kfac",
+            "kfac.grad_sync=overlap",
+        ],
         "kfac+muon auto": ["kfac.variant=flow", "optim.name=muon", "optim.muon.owners=auto"],
         "kfac+muon overlap": [
             "kfac.variant=flow",

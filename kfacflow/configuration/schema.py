@@ -169,12 +169,14 @@ class MuonConfig:
     keep it."""
     adamw_lr: float = field(default=3e-3, metadata=above(0))
     """AdamW's rate for what Muon does not take (biases, norms, embeddings, the head); the schedule scales it too."""
-    owners: Literal["auto", "placed", "round_robin", "replicated"] = "auto"
+    owners: Literal["auto", "kfac", "placed", "round_robin", "replicated"] = "auto"
     """On several workers, which one keeps each matrix's momentum and runs its Newton-Schulz, the finished updates
-    then gathered (ZeRO-1 style; the step is the same): ``placed`` by each matrix's Newton-Schulz cost,
-    ``round_robin`` in model order, ``replicated`` (every worker does every matrix, as ``torch.optim.Muon``), or
-    ``auto``: ``placed`` or ``replicated``, whichever is faster by one timing of each on this job as it starts
-    (logged)."""
+    then gathered (ZeRO-1 style; the step is the same): ``kfac`` the K-FAC layer's owner, which sends the finished
+    update in place of the preconditioned one (no second exchange; where K-FAC's owners send updates:
+    ``kfac.variant=flow``), ``placed`` by each matrix's Newton-Schulz cost, ``round_robin`` in model order,
+    ``replicated`` (every worker does every matrix, as ``torch.optim.Muon``), or ``auto``: owners (``kfac`` where
+    K-FAC's owners send updates, else ``placed``) or ``replicated``, whichever is faster by one timing of each on
+    this job as it starts (logged)."""
 
 
 @dataclass

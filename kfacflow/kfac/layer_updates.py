@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from kfacflow.kfac.plan_life import PlanLife
     from kfacflow.kfac.side_blocks import SideBlocks
     from kfacflow.kfac.state import FactorState
-    from kfacflow.kfac.strategies.contracts import Engine, Sent
+    from kfacflow.kfac.strategies.contracts import Engine, OwnedWork, Sent
 
 
 class LayerUpdates:
@@ -35,6 +35,8 @@ class LayerUpdates:
     ) -> None:
         self.state, self.life, self.rows, self.engine, self.timer = state, life, rows, engine, engine.timer
         self.sides = sides
+        self.owned: OwnedWork | None = None
+        """Muon's per-layer work on the layers' owners (``optim.muon.owners=kfac``: :mod:`kfacflow.on_owners`)."""
         self.clip_sum: tuple[Tensor, int] | None = None
         """The sum of the steps' KL clipping factors since :meth:`mean_clip_scale` last read it, and their count."""
 
@@ -64,24 +66,36 @@ class LayerUpdates:
                 gradients.wait()
             self.rows.rebuild(gradients, self.life.owned_elsewhere())
         live = [(layer, g) for layer in self.life.layers if (g := layer.grad_matrix()) is not None]
-        stages = self.life.stages
+        stages, stage, owned = self.life.stages, self.stage, self.owned
+        pairs: list[tuple[Tensor, Tensor]] | None = None
+        if owned is not None:  # the owners scale their updates by the side blocks' too, before they send
+            with self.timer.span("Precondition"):
+                pairs = self.sides.pairs() if self.sides is not None else []
+            owned.prepare(lr, stage, pairs)
         updates, contributions = stages.broadcast.precondition(
             self.state, self.life, self.engine, self, live, sent, stages.pipeline.early
         )
-        stage = self.stage
+        finished = owned.directed if owned is not None else set()
         with self.timer.span("Precondition"):  # the side blocks' updates, the clipping, the writes into the grads
-            pairs = self.sides.pairs() if self.sides is not None else []  # the gradients are averaged by now
+            if pairs is None:
+                pairs = self.sides.pairs() if self.sides is not None else []  # the gradients are averaged by now
             if stage.clips:
                 contributions = [*contributions, *(stage.contribution(v, g) for v, g in pairs)]
-            final = stage.finish([updates[layer.name] for layer, _ in live] + [v for v, _ in pairs], contributions, lr)
+            rest = [(layer, g) for layer, g in live if layer.name not in finished]
+            final = stage.finish([updates[layer.name] for layer, _ in rest] + [v for v, _ in pairs], contributions, lr)
             scale = getattr(stage, "scale", None)
             if scale is not None:  # added on the device: no synchronisation a step
                 total, n = self.clip_sum or (0.0, 0)
                 self.clip_sum = (scale + total, n + 1)
-            for (layer, _), update in zip(live, final[: len(live)], strict=True):
+            for (layer, _), update in zip(rest, final[: len(rest)], strict=True):
                 layer.set_grad(update)
+            for layer, _ in live:
+                if layer.name in finished:  # the owner's finished direction (and the bias's clipped update)
+                    layer.set_grad(updates[layer.name])
             if self.sides is not None:
-                self.sides.set_grads(final[len(live) :])
+                self.sides.set_grads(final[len(rest) :])
+            if owned is not None:
+                owned.clip_rest(finished)
 
     def mean_clip_scale(self) -> float | None:
         """The mean factor KL clipping scaled the updates by over the steps since the last call (1: none was clipped).

@@ -143,14 +143,23 @@ class Muon(torch.optim.Optimizer):
     def __init__(self, groups: Iterable[dict[str, Any]]) -> None:
         super().__init__(list(groups), {})
         self.sharding: Sharding | None = None
+        self.owners: Owners = "replicated"
+        """How :meth:`shard` gave the matrices owners."""
         self.timer: StepTimer | None = None
         """Where the step's ``NewtonSchulz`` and ``MuonComm`` go (the trainer's), or nowhere."""
+        self.finished_elsewhere: frozenset[int] = frozenset()
+        """The matrices (by ``id``) whose gradient holds their finished direction: their K-FAC layer's owner ran
+        the momentum and Newton-Schulz and sent it (``optim.muon.owners=kfac``, :mod:`kfacflow.on_owners`)."""
+        self.pending: dict[int, Tensor] = {}
+        """Those owners' advanced momenta, kept by :meth:`step` only (a skipped step keeps the old ones)."""
 
     def shard(self, backend: Backend, how: Owners) -> None:
         """Give each matrix one owner on ``backend``'s ranks (:mod:`kfacflow.optim.sharding`); ``replicated``: none.
 
         Before :meth:`load_state_dict` (a resume keeps only what this rank owns). On one process, nothing.
+        ``kfac``: placed until the K-FAC plan names its layers' owners (:meth:`Sharding.follow`).
         """
+        self.owners = "replicated" if backend.world_size == 1 else how
         if how == "replicated" or backend.world_size == 1:
             self.sharding = None
             return
@@ -232,16 +241,26 @@ class Muon(torch.optim.Optimizer):
         Where sharded, this rank's own matrices only, then every owner's directions gathered.
         """
         dtype = ns_dtype(group.get("ns_dtype", "auto"), group["params"][0])
-        shard = self.sharding
+        shard, elsewhere = self.sharding, self.finished_elsewhere
+        lr = group["lr"]
+        for p in (p for p in params if id(p) in elsewhere):
+            assert p.grad is not None
+            p.mul_(1 - lr * group["weight_decay"])
+            p.add_(p.grad, alpha=-lr * shape_scale(p.shape, group["adjust_lr"]))
+            if id(p) in self.pending:
+                self.state[p]["momentum_buffer"] = self.pending.pop(id(p))
+        params = [p for p in params if id(p) not in elsewhere]
+        everyone = [p for p in group["params"] if id(p) not in elsewhere]
         mine = params if shard is None else [p for p in params if shard.owns(p)]
         with self._span("NewtonSchulz"):
             directions = self._directions(mine, group, dtype)
         if shard is None:
             stepped = list(zip(params, directions, strict=True))
+        elif not everyone:  # every matrix was finished by its K-FAC owner: nothing to gather
+            stepped = []
         else:
             with self._span("MuonComm"):
-                stepped = shard.exchange(group["params"], dict(zip(map(id, mine), directions, strict=True)), dtype)
-        lr = group["lr"]
+                stepped = shard.exchange(everyone, dict(zip(map(id, mine), directions, strict=True)), dtype)
         for p, direction in stepped:
             p.mul_(1 - lr * group["weight_decay"])
             p.add_(direction, alpha=-lr * shape_scale(p.shape, group["adjust_lr"]))

@@ -69,16 +69,23 @@ def muon_adamw(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
 
 
 def for_workers(
-    model: nn.Module, cfg: OptimConfig, backend: Backend, accumulate: int, timer: StepTimer | None = None
+    model: nn.Module,
+    cfg: OptimConfig,
+    backend: Backend,
+    accumulate: int,
+    timer: StepTimer | None = None,
+    kfac_sends_updates: bool = False,
 ) -> torch.optim.Optimizer:
     """:func:`build_optimizer`, wrapped for the engine, and Muon's matrices given their owners (``optim.muon.owners``).
 
     The owners are set on the engine's optimizer: Horovod's wrapper is a new instance of Muon's class.
-    Muon's Newton-Schulz and gather are parts of the step's breakdown in ``timer``.
+    Muon's Newton-Schulz and gather are parts of the step's breakdown in ``timer``. ``kfac_sends_updates``:
+    whether K-FAC's layer owners send the updates (``owners=kfac`` is then possible, and ``auto``'s choice).
     """
     optimizer = backend.wrap_optimizer(build_optimizer(model, cfg), model, accumulate)
     if isinstance(optimizer, muon.Muon):
-        optimizer.shard(backend, owner_choice.resolve(optimizer, backend, cfg.muon.owners))
+        how = owner_choice.resolve(optimizer, backend, cfg.muon.owners, kfac_sends_updates)
+        optimizer.shard(backend, how)
         optimizer.timer = timer
     return optimizer
 

@@ -27,7 +27,8 @@ from torch import Tensor
 if TYPE_CHECKING:
     from kfacflow.comm.base import Backend
 
-Owners = Literal["placed", "round_robin", "replicated"]
+Owners = Literal["placed", "round_robin", "replicated", "kfac"]
+"""``kfac``: each K-FAC layer's weight on the layer's owner (:mod:`kfacflow.on_owners`), the others ``placed``."""
 
 
 def ns_flops(shape: Sequence[int], steps: int) -> float:
@@ -51,6 +52,8 @@ def place(shapes: Sequence[Sequence[int]], world: int, how: Owners, steps: int =
     """
     if how == "round_robin":
         return [i % world for i in range(len(shapes))]
+    if how not in ("placed", "kfac"):
+        raise ValueError(f"no placement {how!r}")
     costs = [ns_flops(s, steps) for s in shapes]
     load, owners = [0.0] * world, [0] * len(shapes)
     for i in sorted(range(len(shapes)), key=lambda i: (-costs[i], i)):
@@ -71,9 +74,29 @@ class Sharding:
     """
 
     def __init__(self, params: Sequence[Tensor], backend: Backend, how: Owners, steps: int = 5) -> None:
-        self.backend = backend
+        self.backend, self.steps = backend, steps
         owners = place([p.shape for p in params], backend.world_size, how, steps)
         self._owner = {id(p): r for p, r in zip(params, owners, strict=True)}
+
+    def follow(self, owners: dict[int, int], params: Sequence[Tensor], state: dict[Tensor, dict[str, Tensor]]) -> bool:
+        """Give the matrices ``owners`` names (by ``id``) those owners, the others re-placed among themselves.
+
+        Where any owner changes, every momentum is gathered first and each rank keeps what it owns now
+        (collective; every rank calls it with the same owners). Returns whether any owner changed.
+        """
+        rest = [p for p in params if id(p) not in owners]
+        placed = place([p.shape for p in rest], self.backend.world_size, "placed", self.steps)
+        new = {**dict(zip(map(id, rest), placed, strict=True)), **owners}
+        if new == self._owner:
+            return False
+        every = self.every_momentum(params, state)
+        self._owner = new
+        for p in params:
+            if self.owns(p) and id(p) in every:
+                state.setdefault(p, {})["momentum_buffer"] = every[id(p)]
+            elif not self.owns(p):
+                state.pop(p, None)
+        return True
 
     def owner(self, p: Tensor) -> int:
         """The rank that keeps ``p``'s momentum and orthogonalises it."""

@@ -35,6 +35,7 @@ from kfacflow.kfac.strategies.contracts import StageSet
 from kfacflow.kfac.variants import Stages, resolve
 from kfacflow.models.builtin import build_model, check_kwargs, check_name
 from kfacflow.models.checks import check_input, check_tokens
+from kfacflow.on_owners import muon_step
 from kfacflow.optim.optimizers import build_scheduler, for_workers
 from kfacflow.perf import Profile
 from kfacflow.running.resume import check_meta, check_model
@@ -106,6 +107,7 @@ def check(cfg: DictConfig) -> None:
     names = resolve(k)
     check_stages(names)
     in_use.check(k, names)
+    muon_step.check(cfg.optim.muon.owners if cfg.optim.name == "muon" else "", names)
     check_name(cfg.model.name)
     check_kwargs(cfg.model.name, cfg.model.kwargs)
     if k.profile:
@@ -177,9 +179,7 @@ def check_device(names: Stages, device: str | torch.device) -> None:
 
 def _device_type(choice: str | torch.device) -> str:
     """The device type a worker picks for ``dist.device`` (``auto``: CUDA where it is available)."""
-    if choice == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(choice).type
+    return ("cuda" if torch.cuda.is_available() else "cpu") if choice == "auto" else torch.device(choice).type
 
 
 def _check_horovod(nproc: int) -> None:
@@ -365,7 +365,8 @@ def training(cfg: DictConfig, backend: Backend, run_dir: Path, timer: StepTimer)
         prof = profile(cfg, backend, run_dir, dtype) if needs_profile(names) else None
         kfac = preconditioner(model, cfg.kfac, backend, prof, timer, accumulate)
     net = backend.wrap_model(model)
-    optimizer = for_workers(model, cfg.optim, backend, accumulate, timer)
+    optimizer = for_workers(model, cfg.optim, backend, accumulate, timer, muon_step.sends_updates(kfac, names.choose))
+    muon_step.attach(kfac, optimizer, model, cfg.optim.clip_grad_norm)
     loader, sampler = train_loader(train_set, cfg.data.batch_size, rank, world, cfg.train.seed, cfg.data.workers)
     val_loader = eval_loader(val_set, cfg.data.eval_batch_size or cfg.data.batch_size, rank, world, cfg.data.workers)
     steps_per_epoch = len(loader) // accumulate

@@ -254,7 +254,8 @@ class Trainer:
         if skip:
             self.timer.end_step()  # a skipped step is not timed, and its time is no other step's
             return value, totals
-        if self.cfg.optim.clip_grad_norm > 0:  # on what is applied; the same on every rank (averaged)
+        clipped = self.kfac is not None and self.kfac.updates.owned is not None  # by the owners' step
+        if self.cfg.optim.clip_grad_norm > 0 and not clipped:  # on what is applied; the same on every rank
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.clip_grad_norm)
         self.backend.optimizer_step(self.optimizer)
         self.backend.sync_buffers(self.model)  # rank 0's statistics, under every grad sync (DDP's broadcast is off)

@@ -118,6 +118,42 @@ class Apply(Protocol):
         """One layer's update from its gradient matrix and its two inverses."""
         ...
 
+    @property
+    def owned(self) -> OwnedWork | None:
+        """What owners finish of their layers beyond the update (Muon's step: :mod:`kfacflow.on_owners`), or None."""
+        ...
+
+
+class OwnedWork(Protocol):
+    """A first-order step's per-layer work on the layer's owner (:class:`kfacflow.on_owners.muon_step.OwnedMuon`)."""
+
+    directed: set[str]
+    """This step's layers whose owners send what :meth:`finish` gives in place of the update."""
+    contributions: list[Tensor]
+    """Every live layer's contribution, then the side blocks' (as :meth:`settle` took them)."""
+
+    def prepare(self, lr: float, stage: PreconditionStage, side_pairs: list[tuple[Tensor, Tensor]]) -> None:
+        """Take the step's rate, precondition stage and side blocks' ``(update, gradient)`` pairs, before the walk."""
+        ...
+
+    def begin(self, owner: dict[str, int], live: Sequence[str]) -> None:
+        """Take this step's owners (collective where they moved)."""
+        ...
+
+    def settle(
+        self, contributions: list[Tensor], updates: dict[str, Tensor], sent: Sequence[str], owner: dict[str, int]
+    ) -> None:
+        """Fix what the owners' :meth:`finish` needs of every layer (collective)."""
+        ...
+
+    def finish(self, name: str) -> Tensor:
+        """What the owner sends in place of the layer's update (which :meth:`settle` was given)."""
+        ...
+
+    def clip_rest(self, finished: set[str]) -> None:
+        """Apply what the owners applied before their step to every gradient they did not finish."""
+        ...
+
 
 class Strategy(Protocol):
     """What a strategy declares of the others (for :func:`check`); by default nothing.

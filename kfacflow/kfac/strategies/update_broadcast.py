@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -97,8 +97,11 @@ class UpdateBroadcast(Broadcast):
         rank = backend.rank
         owner = {slot.layer.name: slot.owner for slot in plan.slots}
         bucketed = {name for names in plan.update_buckets.values() for name in names}
-        stage = apply.stage
-        from_owners = bool(plan.grad_owned) and stage.clips
+        stage, owned = apply.stage, apply.owned
+        sent_layers = [name for name in grads if owner[name] != EVERY_RANK]
+        # The owners' v.g go to every rank where no other rank can compute it: the gradients went to the
+        # owners alone, or the owners send finished directions in place of their updates.
+        from_owners = (bool(plan.grad_owned) or owned is not None) and stage.clips
         updates: dict[str, Tensor] = {}
         mine: dict[str, Tensor] = {}
         posted: list[tuple[list[str], Handle]] = []
@@ -107,14 +110,31 @@ class UpdateBroadcast(Broadcast):
             for layer in plan.layer_order
             if layer.name in grads and owner[layer.name] != EVERY_RANK and layer.name not in bucketed
         ]
+        if owned is not None:
+            owned.begin(owner, list(grads))
         tags = self._receive(engine, alone, grads, owner, updates, posted)
+
+        def compute(layer: KFACLayer) -> None:
+            grad, src = grads.get(layer.name), owner[layer.name]
+            if grad is not None and src in (EVERY_RANK, rank):
+                updates[layer.name] = apply.layer(layer, grad).contiguous()
+                if from_owners and src == rank:
+                    mine[layer.name] = stage.contribution(updates[layer.name], grad)
+
         with torch.no_grad():
-            for layer in plan.layer_order:
+            if owned is not None:  # every update first: the owners finish theirs by what all of them give
+                for layer in plan.layer_order:
+                    compute(layer)
+                with timer.span("MuonComm"):  # what the owners' Muon step waits for: every owner's v.g
+                    dots = self._dots(engine, sent_layers, mine) if from_owners else None
+                    received = dict(zip(sent_layers, dots.wait(), strict=True)) if dots is not None else {}
+                owned.settle(self._contributions(stage, grads, updates, received), updates, sent_layers, owner)
+            for layer in plan.layer_order:  # each finished update leaves as soon as it is made
                 grad, src = grads.get(layer.name), owner[layer.name]
-                if grad is not None and src in (EVERY_RANK, rank):
-                    updates[layer.name] = apply.layer(layer, grad).contiguous()
-                    if from_owners and src == rank:
-                        mine[layer.name] = stage.contribution(updates[layer.name], grad)
+                if owned is None:
+                    compute(layer)
+                elif layer.name in owned.directed and src == rank:
+                    updates[layer.name] = owned.finish(layer.name)
                 if layer.name in plan.update_buckets:
                     posted += self._post_bucket(plan, engine, layer.name, grads, updates, owner)
                 elif layer.name in tags and src == rank:
@@ -129,14 +149,8 @@ class UpdateBroadcast(Broadcast):
                         handle = backend.broadcast_async(updates[layer.name], src)
                     timer.on_done(handle, f"{layer.name} update from {src}", "broadcast")
                     posted.append(([], handle))
-            sent_layers = [name for name in grads if owner[name] != EVERY_RANK]
-            dots: Handle | None = None
-            if from_owners and sent_layers:  # x + 0 == x: every rank receives each owner's bits
-                slots = torch.zeros(len(sent_layers), dtype=torch.float64, device=backend.device)
-                for i, name in enumerate(sent_layers):
-                    if name in mine:
-                        slots[i] = mine[name]
-                dots = Piece(backend.allreduce_async(slots), slots)
+            if owned is None:
+                dots = self._dots(engine, sent_layers, mine) if from_owners and sent_layers else None
             for names, handle in posted:  # names: a bucket's layers, to be cut out of it
                 with timer.span("InverseComm"):
                     buffer = handle.wait()
@@ -147,8 +161,31 @@ class UpdateBroadcast(Broadcast):
                     offset += grad.numel()
             if not stage.clips:
                 return updates, []
+            if owned is not None:
+                return updates, owned.contributions[: len(grads)]
             received = dict(zip(sent_layers, dots.wait(), strict=True)) if dots is not None else {}
-        return updates, [received[n] if n in received else stage.contribution(updates[n], g) for n, g in grads.items()]
+        return updates, self._contributions(stage, grads, updates, received)
+
+    @staticmethod
+    def _dots(engine: Engine, sent: list[str], mine: dict[str, Tensor]) -> Handle | None:
+        """Every owner's ``v.g`` of its sent layers to every rank: one all-reduce of zero-filled float64 slots."""
+        if not sent:
+            return None
+        backend = engine.backend
+        slots = torch.zeros(len(sent), dtype=torch.float64, device=backend.device)
+        for i, name in enumerate(sent):
+            if name in mine:
+                slots[i] = mine[name]
+        return Piece(backend.allreduce_async(slots), slots)  # x + 0 == x: every rank receives each owner's bits
+
+    @staticmethod
+    def _contributions(
+        stage: Any, grads: dict[str, Tensor], updates: dict[str, Tensor], received: dict[str, Tensor]
+    ) -> list[Tensor]:
+        """Each live layer's contribution: an owner's as received, else this rank's own of its update."""
+        if not stage.clips:
+            return []
+        return [received[n] if n in received else stage.contribution(updates[n], g) for n, g in grads.items()]
 
     def _receive(
         self,
