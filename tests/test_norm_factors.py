@@ -25,8 +25,8 @@ from kfacflow.configuration.rules import kfac_section
 from kfacflow.configuration.schema import DistConfig, KFACConfig
 from kfacflow.kfac.layers import find_layers
 from kfacflow.kfac.left_out import kinds_left
-from kfacflow.kfac.norms import find_norms
 from kfacflow.kfac.preconditioner import Preconditioner
+from kfacflow.kfac.sides.norms import find_norms
 from kfacflow.kfac.stages.precondition import clip_scale, v_dot_g
 from kfacflow.running import build
 

@@ -17,7 +17,7 @@ from kfacflow.comm.torch_dist import TorchBackend
 from kfacflow.configuration.schema import KFACConfig
 from kfacflow.kfac.left_out import kinds_left
 from kfacflow.kfac.preconditioner import Preconditioner
-from kfacflow.kfac.tied import apply_inverse, find_tied, generalized, joint_inverse
+from kfacflow.kfac.sides.tied import apply_inverse, find_tied, generalized, joint_inverse
 from kfacflow.running import build
 
 DT = torch.float64

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from kfacflow.kfac.gradients import Gradients
     from kfacflow.kfac.hooks.rows import RowCapture
     from kfacflow.kfac.plan_life import PlanLife
-    from kfacflow.kfac.side_blocks import SideBlocks
+    from kfacflow.kfac.sides.blocks import SideBlocks
     from kfacflow.kfac.state import FactorState
     from kfacflow.kfac.strategies.contracts import Engine, OwnedWork, Sent
 
@@ -26,7 +26,7 @@ class LayerUpdates:
     gives it (:class:`~kfacflow.kfac.strategies.contracts.Apply`). Each layer is timed for the trace, and for
     the placement while the plan's life measures the layers (:class:`~kfacflow.kfac.planning.measured.LayerTimes`).
     The side blocks' updates (the norms, the tied weights, cross-attention's row blocks:
-    :mod:`~kfacflow.kfac.side_blocks`) join the layers' in the stage's ``finish`` (KL clipping,
+    :mod:`~kfacflow.kfac.sides.blocks`) join the layers' in the stage's ``finish`` (KL clipping,
     ``kfac.normalize``), which leaves a scale a step, summed on the device until :meth:`mean_clip_scale` reads it.
     """
 

@@ -2,7 +2,7 @@
 
 K-FAC's factors describe a weight gradient only when the module computes what ``nn.Linear``,
 ``nn.Conv2d`` or ``nn.Embedding`` computes from the input its hooks see, and nothing else adds to that
-gradient. (A norm's scale and shift, kind ``norm``, go by a diagonal instead: :mod:`~kfacflow.kfac.norms`.)
+gradient. (A norm's scale and shift, kind ``norm``, go by a diagonal instead: :mod:`~kfacflow.kfac.sides.norms`.)
 An embedding is a Linear on one-hot tokens: its weight ``(V, d)`` is that Linear's
 ``(d, V)`` transposed, its A factor (``V x V``) counts how often each token was seen (diagonal under
 ``expand``), its G is the Linear's. The kinds preconditioned are ``kfac.kinds``.
@@ -38,7 +38,7 @@ OWN_FORWARD = "its forward is its own, so the factors cannot know what it comput
 EMBEDDING_ROWS = 8192
 """Most rows of an embedding K-FAC takes: its A factor is ``V x V`` and its factors' rows one-hot ``V`` wide."""
 NORMS = (nn.LayerNorm, nn.RMSNorm)
-"""The norms whose scale and shift kind ``norm`` preconditions (by a diagonal: :mod:`~kfacflow.kfac.norms`)."""
+"""The norms whose scale and shift kind ``norm`` preconditions (by a diagonal: :mod:`~kfacflow.kfac.sides.norms`)."""
 KINDS: dict[str, type[nn.Module] | tuple[type[nn.Module], ...]] = {
     "linear": nn.Linear,
     "conv2d": nn.Conv2d,
@@ -46,7 +46,7 @@ KINDS: dict[str, type[nn.Module] | tuple[type[nn.Module], ...]] = {
     "norm": NORMS,
 }
 """The modules each of ``kfac.kinds`` names (subclasses too, where their forward is the parent's); and ``tied``
-(an embedding and a Linear head sharing their weight: :mod:`~kfacflow.kfac.tied`)."""
+(an embedding and a Linear head sharing their weight: :mod:`~kfacflow.kfac.sides.tied`)."""
 
 # Subclasses whose forward K-FAC knows, by (defining module, class): recognised by name so that
 # kfacflow does not import timm. timm.models.layers held them before timm 0.9.

@@ -8,7 +8,7 @@ import re
 from torch import Tensor, nn
 
 from kfacflow.kfac.layers import KINDS, affine_trained
-from kfacflow.kfac.tied import tied_weights
+from kfacflow.kfac.sides.tied import tied_weights
 
 logger = logging.getLogger(__name__)
 

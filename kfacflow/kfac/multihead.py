@@ -13,7 +13,7 @@ input projection as a :class:`PackedProjection`: an ``nn.Linear`` holding the mo
 - **Other calls** (cross-attention, an encoder-decoder's memory): the packed weight's row blocks see
   different inputs, so they are called as three modules (:class:`RowBlock`: query, key, value), each a
   Linear on its own input, which are preconditioned beside the pipelines
-  (:mod:`~kfacflow.kfac.cross_attention`: the routes of gradients to their owners and the rows of
+  (:mod:`~kfacflow.kfac.sides.cross_attention`: the routes of gradients to their owners and the rows of
   ``kfac.precondition=rows`` take a Parameter whole, never a slice); ``in_proj`` itself then never runs
   and leaves the pipelines on the first step, with a line saying where its blocks went. A module
   called both ways is an error, never a silent mismatch.

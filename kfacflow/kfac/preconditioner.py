@@ -18,7 +18,6 @@ from kfacflow.comm.base import Backend
 from kfacflow.configuration.schema import KFACConfig
 from kfacflow.kfac.checkpoint import check_factors, check_layers, state_of
 from kfacflow.kfac.communicator import Communicator
-from kfacflow.kfac.cross_attention import CrossProjections
 from kfacflow.kfac.delegated import Delegated
 from kfacflow.kfac.finite import FiniteFlags
 from kfacflow.kfac.gradients import Gradients
@@ -29,18 +28,19 @@ from kfacflow.kfac.layer_updates import LayerUpdates
 from kfacflow.kfac.layers import KFACLayer, find_layers
 from kfacflow.kfac.left_out import log_left
 from kfacflow.kfac.multihead import HeldAttention
-from kfacflow.kfac.norms import NormDiagonals, find_norms
 from kfacflow.kfac.plan_life import PlanLife, describe, rows_pay
 from kfacflow.kfac.planning.measured import LayerTimes
 from kfacflow.kfac.planning.plan import StepPlan, make_plan
 from kfacflow.kfac.planning.schedule import Schedule
-from kfacflow.kfac.side_blocks import SideBlocks
-from kfacflow.kfac.side_factors import SideParts
+from kfacflow.kfac.sides.blocks import SideBlocks
+from kfacflow.kfac.sides.cross_attention import CrossProjections
+from kfacflow.kfac.sides.factors import SideParts
+from kfacflow.kfac.sides.norms import NormDiagonals, find_norms
+from kfacflow.kfac.sides.tied import TiedWeights, find_tied
 from kfacflow.kfac.stages.contracts import FactorSlot
 from kfacflow.kfac.stages.inverse import Inverse
 from kfacflow.kfac.state import FactorState, dtypes
 from kfacflow.kfac.strategies.contracts import Engine, StageSet
-from kfacflow.kfac.tied import TiedWeights, find_tied
 from kfacflow.perf import Profile
 from kfacflow.timing import StepTimer
 

@@ -3,7 +3,7 @@
 Pre-norm blocks (norm, causal self-attention with one fused ``qkv`` Linear; norm, a 4x MLP), a learned
 position embedding and a head tied to the token embedding by default. Every weight matrix is an
 ``nn.Linear``, so K-FAC preconditions them all; the tied head shares the embedding's Parameter, whose
-gradient sums two uses: K-FAC takes it where ``kfac.kinds`` names ``tied`` (:mod:`kfacflow.kfac.tied`).
+gradient sums two uses: K-FAC takes it where ``kfac.kinds`` names ``tied`` (:mod:`kfacflow.kfac.sides.tied`).
 """
 
 from __future__ import annotations

@@ -90,7 +90,9 @@ class UpdateBroadcast(Broadcast):
         as it is computed, a receive buffer for the others'; a bucket as one collective once its
         last layer is reached. Every rank then applies the owner's bits. Where the gradients went
         to their owners alone, the owners compute their layers' contributions and send them in one
-        all-reduce of zero-filled float64 slots.
+        all-reduce of zero-filled float64 slots. Where the owners also run the first-order step of
+        their layers (``apply.owned``: Muon's, :mod:`kfacflow.on_owners.muon_step`), every update is
+        computed first, those slots are reduced, and each owner sends what it finishes in the walk.
         """
         grads = {layer.name: g for layer, g in live}
         backend, timer = engine.backend, engine.timer

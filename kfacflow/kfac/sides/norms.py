@@ -29,10 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kfacflow import UserError
 from kfacflow.kfac.hooks.layer_sums import call_input, examples_first, full_precision, leading, unscaled
 from kfacflow.kfac.layers import NORMS, affine_trained, class_name, param_users, skip_reason
-from kfacflow.kfac.side_factors import RankMeans, SideParts
+from kfacflow.kfac.sides.factors import RankMeans, SideParts, check_fits
 
 if TYPE_CHECKING:
     pass
@@ -112,7 +111,7 @@ class NormDiagonals:
 
     Args:
         norms: The norms preconditioned.
-        parts: What a side block is handed (:class:`~kfacflow.kfac.side_factors.SideParts`).
+        parts: What a side block is handed (:class:`~kfacflow.kfac.sides.factors.SideParts`).
     """
 
     def __init__(self, norms: list[NormLayer], parts: SideParts) -> None:
@@ -238,13 +237,7 @@ class NormDiagonals:
             UserError: If a diagonal is of no norm of this run, or of another size.
         """
         widths = {norm.name: norm.width for norm in self.norms}
-        for name, diagonal in (saved or {}).items():
-            if widths.get(name) != diagonal.numel():
-                raise UserError(
-                    f"resume: the checkpoint's K-FAC diagonal of the norm {name!r} does not fit this model's norms "
-                    "(model.name, kfac.kinds or kfac.skip changed?); resume with the run's own settings, or start "
-                    "a new run."
-                )
+        check_fits(saved or {}, widths, lambda name: f"diagonal of the norm {name!r} does not fit this model's norms")
         device = self.engine.backend.device
         self.running = {k: v.to(device, self.capture.dtype, copy=True) for k, v in (saved or {}).items()}
         self.reset()

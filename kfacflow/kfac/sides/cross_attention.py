@@ -4,7 +4,7 @@ Called for cross-attention (query, key and value not one tensor), a MultiheadAtt
 queries, keys and values with three :class:`~kfacflow.kfac.multihead.RowBlock` modules, each an ``E x E``
 Linear (its share of ``in_proj_bias`` as its bias) on its own input. Each is a layer of K-FAC: its A from its
 input, its G from its output's gradient, made and averaged as every layer's
-(:class:`~kfacflow.kfac.side_factors.SideFactors`), and its block of the gradient preconditioned as
+(:class:`~kfacflow.kfac.sides.factors.SideFactors`), and its block of the gradient preconditioned as
 ``(G + damping I)^-1 grad (A + damping I)^-1``, as the pipelines' layers are. They are kept beside the
 pipelines because the routes of gradients to their owners and the rows of ``kfac.precondition=rows`` take a
 Parameter whole, and the three blocks are one Parameter. A module called for self-attention never runs its
@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from kfacflow.kfac.layers import KFACLayer
-from kfacflow.kfac.side_factors import SideFactors, SideParts
+from kfacflow.kfac.sides.factors import SideFactors, SideParts
 from kfacflow.kfac.stages.inverse import eigen_inverse
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ class CrossProjections(SideFactors):
     Args:
         blocks: Each held module's row blocks, by its in_proj's layer name
             (:attr:`~kfacflow.kfac.multihead.HeldAttention.blocks`).
-        parts: What a side block is handed (:class:`~kfacflow.kfac.side_factors.SideParts`).
+        parts: What a side block is handed (:class:`~kfacflow.kfac.sides.factors.SideParts`).
     """
 
     what = "a cross-attention block"

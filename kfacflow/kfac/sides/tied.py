@@ -17,7 +17,7 @@ the columns' (``Q``, ``T``), ``F^-1 grad = X_r [(X_r^T grad X_c) / (1 + alpha be
 A head with a trained bias has it as ``W``'s last column (the ones column of the head's A); the
 embedding never uses it, so ``G_e`` has a zero row and column there. The four factors (``<embedding>/A``,
 ``<embedding>/G``, ``<head>/A``, ``<head>/G``) are kept beside the pipelines
-(:class:`~kfacflow.kfac.side_factors.SideFactors`) and inverted when any factor is, on rank 0, which
+(:class:`~kfacflow.kfac.sides.factors.SideFactors`) and inverted when any factor is, on rank 0, which
 broadcasts the result.
 """
 
@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from kfacflow.kfac.layers import OWN_FORWARD, KFACLayer, embedding_reason, forward_kind, param_users
-from kfacflow.kfac.side_factors import SideFactors, SideParts
+from kfacflow.kfac.sides.factors import SideFactors, SideParts
 
 if TYPE_CHECKING:
     pass
@@ -140,15 +140,15 @@ def apply_inverse(inverse: tuple[Tensor, Tensor, Tensor], grad: Tensor) -> Tenso
 
 
 class TiedWeights(SideFactors):
-    """The tied pairs' factors (:class:`~kfacflow.kfac.side_factors.SideFactors`), joint inverses and updates.
+    """The tied pairs' factors (:class:`~kfacflow.kfac.sides.factors.SideFactors`), joint inverses and updates.
 
-    Called as the norms' diagonals are (:class:`~kfacflow.kfac.norms.NormDiagonals`): :meth:`launch` after the
+    Called as the norms' diagonals are (:class:`~kfacflow.kfac.sides.norms.NormDiagonals`): :meth:`launch` after the
     backward pass, :meth:`pairs` once the gradients are averaged, :meth:`set_grads` with the final updates. Its
     :attr:`inverses`: each pair's :func:`joint_inverse`, by weight.
 
     Args:
         pairs: The pairs preconditioned.
-        parts: What a side block is handed (:class:`~kfacflow.kfac.side_factors.SideParts`).
+        parts: What a side block is handed (:class:`~kfacflow.kfac.sides.factors.SideParts`).
     """
 
     what = "a tied weight"

@@ -1,7 +1,7 @@
 """Kronecker factors of a few layers kept beside the pipelines: their hooks, one all-reduce, running averages.
 
-What a side block whose layers are Kronecker-factored shares (:mod:`~kfacflow.kfac.tied`,
-:mod:`~kfacflow.kfac.cross_attention`): each layer's A and G are made by the factor stage as the pipelines'
+What a side block whose layers are Kronecker-factored shares (:mod:`~kfacflow.kfac.sides.tied`,
+:mod:`~kfacflow.kfac.sides.cross_attention`): each layer's A and G are made by the factor stage as the pipelines'
 layers' are (``kfac.factor``, ``kfac.factor_examples``, micro-batches and several calls of a pass, the loss
 scale), on the steps the capture of those layers captures; after the backward pass every layer's pair goes
 in one all-reduce with a flag a rank saying whether it ran the layer, and each factor's mean over the ranks
@@ -59,7 +59,7 @@ class RankMeans:
 
     :meth:`launch` sums the entries with a flag a group saying whether the rank had it; :meth:`average` blends
     each entry's mean over the ranks that had its group into its running average. What the side blocks'
-    factors and the norms' diagonals (:mod:`~kfacflow.kfac.norms`) go by.
+    factors and the norms' diagonals (:mod:`~kfacflow.kfac.sides.norms`) go by.
     """
 
     def __init__(self, engine: Engine) -> None:
@@ -241,13 +241,7 @@ class SideFactors:
         """
         running, inverses = (saved or {}).get("running", {}), (saved or {}).get("inverses", {})
         sizes = dict(width for layer in self.layers for width in _keys(layer))
-        for key, factor in running.items():
-            if sizes.get(key) != factor.numel():
-                raise UserError(
-                    f"resume: the checkpoint's K-FAC factor {key!r} of {self.what} does not fit this model "
-                    "(model.name, kfac.kinds or kfac.skip changed?); resume with the run's own settings, or start "
-                    "a new run."
-                )
+        check_fits(running, sizes, lambda key: f"factor {key!r} of {self.what} does not fit this model")
         device = self.engine.backend.device
         self.running = {k: v.to(device, self.capture.dtype, copy=True) for k, v in running.items()}
         self.inverses = {n: [t.to(device, self.dtype, copy=True) for t in parts] for n, parts in inverses.items()}
@@ -262,3 +256,17 @@ class SideFactors:
 def _keys(layer: KFACLayer) -> tuple[tuple[str, int], tuple[str, int]]:
     """The layer's two running factors' keys and packed sizes, in the order they are launched."""
     return (f"{layer.name}/A", packed_size(layer.a_dim)), (f"{layer.name}/G", packed_size(layer.g_dim))
+
+
+def check_fits(saved: dict[str, Tensor], sizes: dict[str, int], what: Callable[[str], str]) -> None:
+    """Refuse a checkpoint's tensor that is of none of ``sizes``' keys, or of another size.
+
+    Raises:
+        UserError: ``resume: the checkpoint's K-FAC`` and ``what(key)``, with what to do.
+    """
+    for key, tensor in saved.items():
+        if sizes.get(key) != tensor.numel():
+            raise UserError(
+                f"resume: the checkpoint's K-FAC {what(key)} (model.name, kfac.kinds or kfac.skip changed?); "
+                "resume with the run's own settings, or start a new run."
+            )
