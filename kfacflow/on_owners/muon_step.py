@@ -26,6 +26,7 @@ from kfacflow import UserError
 from kfacflow.comm.base import Piece
 from kfacflow.kfac.layers import KFACLayer
 from kfacflow.kfac.stages.contracts import EVERY_RANK
+from kfacflow.kfac.strategies.update_broadcast import UpdateBroadcast
 from kfacflow.optim.muon import Muon, ns_dtype, orthogonalised
 
 if TYPE_CHECKING:
@@ -123,12 +124,14 @@ class OwnedMuon:
         if stage.clips:
             contributions = [*contributions, *(stage.contribution(v, g) for v, g in self.side_pairs)]
         self.contributions = contributions
-        rank = self.backend.rank
-        mine = [n for n in sent if owner[n] == rank]
-        local = [n for n in updates if n not in sent]
-        finals = self._scaled_all([updates[n] for n in [*mine, *local]] + [v for v, _ in self.side_pairs])
+        rank, clips_norm = self.backend.rank, self.clip_norm > 0
+        # the norm clip reads every final update; without it only the owners' finished layers are needed now
+        mine = [n for n in sent if owner[n] == rank and (clips_norm or n in self.directed)]
+        local = [n for n in updates if n not in sent] if clips_norm else []
+        sides = [v for v, _ in self.side_pairs] if clips_norm else []
+        finals = self._scaled_all([updates[n] for n in [*mine, *local]] + sides)
         self.finals = dict(zip(mine, finals, strict=False))
-        if self.clip_norm <= 0:
+        if not clips_norm:
             return
         slots = torch.zeros(len(sent), dtype=torch.float64, device=self.backend.device)
         for i, name in enumerate(sent):
@@ -149,7 +152,8 @@ class OwnedMuon:
             final = self.finals.pop(name)
             if self.coef is not None:
                 final = final * self.coef.to(final.dtype)
-            grad = (final[:, :-1] if layer.has_bias else final).reshape(weight.shape)
+            # contiguous, as the replicated step's gradient is: the same kernels on the same values
+            grad = (final[:, :-1] if layer.has_bias else final).reshape(weight.shape).contiguous()
             state = self.muon.state.get(weight, {})
             momentum = group["momentum"]
             held = state.get("momentum_buffer")
@@ -190,7 +194,7 @@ def check(owners: str, names: Stages) -> None:
     Raises:
         UserError: Naming the key and what to set instead.
     """
-    if owners == "kfac" and (not names.preconditioned or names.broadcast not in UPDATES or names.choose):
+    if owners == "kfac" and not sends_updates(names):
         raise UserError(
             "optim.muon.owners=kfac: the K-FAC layers' owners finish Muon's step only where they send the "
             f"updates (kfac.variant=flow, or kfac.broadcast={' or '.join(UPDATES)}, not kfac.variant=auto or sgd; "
@@ -198,11 +202,9 @@ def check(owners: str, names: Stages) -> None:
         )
 
 
-def sends_updates(kfac: Preconditioner | None, choose: bool = False) -> bool:
-    """Whether ``kfac``'s layer owners send the updates for the whole run (``choose``: the variant may change)."""
-    from kfacflow.kfac.strategies.update_broadcast import UpdateBroadcast
-
-    return kfac is not None and isinstance(kfac.stages.broadcast, UpdateBroadcast) and not choose
+def sends_updates(names: Stages) -> bool:
+    """Whether K-FAC's layer owners send the updates for the whole run (not where ``kfac.variant=auto`` may change)."""
+    return names.preconditioned and names.broadcast in UPDATES and not names.choose
 
 
 def attach(
@@ -216,15 +218,12 @@ def attach(
     Call it before the first step, on every rank.
 
     Raises:
-        UserError: If ``kfac``'s owners do not send updates (every rank then preconditions every layer).
+        ValueError: If ``kfac``'s owners do not send updates (a recipe's is refused before: :func:`check`).
     """
     if kfac is None or not isinstance(optimizer, Muon) or optimizer.owners != "kfac":
         return None
-    if not sends_updates(kfac):
-        raise UserError(
-            "optim.muon.owners=kfac: the K-FAC layers' owners finish Muon's step only where they send the "
-            "updates (kfac.variant=flow, or kfac.broadcast=update or fused_update); use optim.muon.owners=placed."
-        )
+    if not isinstance(kfac.stages.broadcast, UpdateBroadcast):
+        raise ValueError("optim.muon.owners=kfac needs a K-FAC whose layer owners send the updates")
     written = [p for layer in kfac.layers for p in layer.params] + kfac.sides.params
     owned = OwnedMuon(optimizer, kfac.layers, trained(model), written, kfac.backend, clip_norm, kfac.timer)
     kfac.updates.owned = owned

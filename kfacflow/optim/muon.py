@@ -256,8 +256,6 @@ class Muon(torch.optim.Optimizer):
             directions = self._directions(mine, group, dtype)
         if shard is None:
             stepped = list(zip(params, directions, strict=True))
-        elif not everyone:  # every matrix was finished by its K-FAC owner: nothing to gather
-            stepped = []
         else:
             with self._span("MuonComm"):
                 stepped = shard.exchange(everyone, dict(zip(map(id, mine), directions, strict=True)), dtype)

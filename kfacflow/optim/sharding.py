@@ -77,6 +77,8 @@ class Sharding:
         self.backend, self.steps = backend, steps
         owners = place([p.shape for p in params], backend.world_size, how, steps)
         self._owner = {id(p): r for p, r in zip(params, owners, strict=True)}
+        self._followed: dict[int, int] | None = None
+        """What :meth:`follow` was last given."""
 
     def follow(self, owners: dict[int, int], params: Sequence[Tensor], state: dict[Tensor, dict[str, Tensor]]) -> bool:
         """Give the matrices ``owners`` names (by ``id``) those owners, the others re-placed among themselves.
@@ -84,6 +86,9 @@ class Sharding:
         Where any owner changes, every momentum is gathered first and each rank keeps what it owns now
         (collective; every rank calls it with the same owners). Returns whether any owner changed.
         """
+        if owners == self._followed:  # every step asks; the plan's owners rarely change
+            return False
+        self._followed = dict(owners)
         rest = [p for p in params if id(p) not in owners]
         placed = place([p.shape for p in rest], self.backend.world_size, "placed", self.steps)
         new = {**dict(zip(map(id, rest), placed, strict=True)), **owners}
@@ -122,6 +127,8 @@ class Sharding:
         have gradients, which only the owner looks at); ``mine``: this rank's directions by ``id``. Each
         rank's piece is one flag per matrix it owns (1: stepped) then their directions in ``dtype``.
         """
+        if not params:  # every rank passes the same matrices: none means no collective on any
+            return []
         owned = self.by_owner(params)
         counts = [len(ps) + sum(p.numel() for p in ps) for ps in owned]
         device = self.backend.device

@@ -365,7 +365,7 @@ def training(cfg: DictConfig, backend: Backend, run_dir: Path, timer: StepTimer)
         prof = profile(cfg, backend, run_dir, dtype) if needs_profile(names) else None
         kfac = preconditioner(model, cfg.kfac, backend, prof, timer, accumulate)
     net = backend.wrap_model(model)
-    optimizer = for_workers(model, cfg.optim, backend, accumulate, timer, muon_step.sends_updates(kfac, names.choose))
+    optimizer = for_workers(model, cfg.optim, backend, accumulate, timer, muon_step.sends_updates(names))
     muon_step.attach(kfac, optimizer, model, cfg.optim.clip_grad_norm)
     loader, sampler = train_loader(train_set, cfg.data.batch_size, rank, world, cfg.train.seed, cfg.data.workers)
     val_loader = eval_loader(val_set, cfg.data.eval_batch_size or cfg.data.batch_size, rank, world, cfg.data.workers)

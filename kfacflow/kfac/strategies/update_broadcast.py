@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import Tensor
@@ -40,6 +40,7 @@ from kfacflow.registry import BROADCASTS
 
 if TYPE_CHECKING:
     from kfacflow.kfac.layers import KFACLayer
+    from kfacflow.kfac.stages.contracts import PreconditionStage
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,7 @@ class UpdateBroadcast(Broadcast):
 
     @staticmethod
     def _contributions(
-        stage: Any, grads: dict[str, Tensor], updates: dict[str, Tensor], received: dict[str, Tensor]
+        stage: PreconditionStage, grads: dict[str, Tensor], updates: dict[str, Tensor], received: dict[str, Tensor]
     ) -> list[Tensor]:
         """Each live layer's contribution: an owner's as received, else this rank's own of its update."""
         if not stage.clips:
