@@ -386,3 +386,53 @@ def test_cholesky_factor_kronecker_identity() -> None:
     got = precondition(grad, invert(a, damping), invert(g, damping))
     big = torch.kron(a + damping * torch.eye(a_dim, dtype=DT), g + damping * torch.eye(g_dim, dtype=DT))
     rel_close(big @ got.T.reshape(-1), grad.T.reshape(-1))
+
+
+def test_cholesky_factor_applied_explicitly_where_its_period_repays_it() -> None:
+    from kfacflow.kfac.stages.inverse import EXPLICIT_FROM_USES, EXPLICIT_UP_TO, cholesky_factor
+
+    d, damping = 6, 0.01
+    f = spd(d, 11)
+    want = torch.linalg.inv(f + damping * torch.eye(d, dtype=DT))
+    x = torch.randn(d, 4, generator=torch.Generator().manual_seed(12), dtype=DT)
+    inv = cholesky_factor(f, damping)
+    assert inv.for_uses(EXPLICIT_FROM_USES - 1) is inv and inv.explicit is None  # type: ignore[attr-defined]
+    solved = (inv.left(x), inv.right(x.T))
+    assert inv.for_uses(EXPLICIT_FROM_USES) is inv
+    explicit = inv.explicit  # type: ignore[attr-defined]
+    assert explicit is not None and torch.equal(explicit, explicit.T)
+    rel_close(explicit, want)
+    rel_close(inv.left(x), want @ x)
+    rel_close(inv.right(x.T), x.T @ want)
+    torch.testing.assert_close(inv.left(x), solved[0], rtol=1e-12, atol=0)  # the same inverse, other round-off
+    assert torch.equal(inv.left(x), explicit @ x) and torch.equal(inv.right(x.T), x.T @ explicit)
+    assert torch.equal(inv.dense(), explicit)
+    assert torch.equal(inv.tensors[0], inv.tensors[0].tril())  # what travels and is kept is still L
+    wide = cholesky_factor(spd(EXPLICIT_UP_TO + 1, 13, shift=1.0), damping)
+    assert wide.for_uses(10**6).explicit is None  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("every", [1, 20])
+def test_preconditioner_applies_cholesky_factors_explicitly_only_over_long_periods(
+    backend: TorchBackend, every: int
+) -> None:
+    """Made, and restored from a checkpoint, each inverse is applied alike: a resumed run steps as one that went on."""
+    kw: dict[str, Any] = dict(factor_decay=0.7, kl_clip=0.0, inverse="cholesky_factor", inv_update_freq=every)
+    model, pre, spy = new_pre(backend, **kw)
+    one_step(model, pre, spy, seed=0)
+    explicit = {k: getattr(inv, "explicit", None) is not None for k, inv in pre.inverses.items()}
+    assert explicit == dict.fromkeys(pre.inverses, every >= 10)
+    buf = io.BytesIO()
+    torch.save(pre.state_dict(), buf)
+    buf.seek(0)
+    model2 = make_model()
+    pre2 = build.preconditioner(model2, KFACConfig(**kw), backend)
+    pre2.load_state_dict(torch.load(buf))
+    assert {k: getattr(inv, "explicit", None) is not None for k, inv in pre2.inverses.items()} == explicit
+    model2.load_state_dict(model.state_dict())
+    spy2 = Spy(model2)
+    one_step(model, pre, spy, seed=1)
+    one_step(model2, pre2, spy2, seed=1)
+    for p, p2 in zip(model.parameters(), model2.parameters(), strict=True):
+        assert p.grad is not None and p2.grad is not None
+        torch.testing.assert_close(p2.grad, p.grad, rtol=0, atol=0)

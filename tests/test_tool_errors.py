@@ -17,6 +17,7 @@ from helpers import QUICK, ROOT, run_tool
 sys.path.insert(0, str(ROOT / "tools"))
 
 import bench  # noqa: E402
+import bench_apply  # noqa: E402
 import bench_hooks  # noqa: E402
 import bench_newton_schulz  # noqa: E402
 import fetch_fashion_mnist  # noqa: E402
@@ -123,10 +124,14 @@ BAD = [
     ("simulate.py", (*SIM, "--json", "{adir}"), "--json", None),
     ("bench_hooks.py", ("vit", "--kwargs", "patch_size=7,dim"), "--kwargs", None),
     ("bench_newton_schulz.py", ("vit", "--kwargs", "dim=sixty"), "--kwargs", None),
+    ("bench_apply.py", ("--shapes", "16x"), "--shapes", None),
+    ("bench_apply.py", ("--shapes", "0x10"), "--shapes", None),
+    ("bench_apply.py", ("--reps", "0"), "--reps", None),
 ]
 """Tool, arguments, the argument the error line must name, and why the case is skipped as root (None: never)."""
 MAINS = {
     "bench.py": bench.main,
+    "bench_apply.py": bench_apply.main,
     "bench_hooks.py": bench_hooks.main,
     "bench_newton_schulz.py": bench_newton_schulz.main,
     "tta.py": tta.main,

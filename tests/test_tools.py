@@ -14,6 +14,7 @@ from helpers import ROOT, last_line, run_cli, run_tool
 sys.path.insert(0, str(ROOT / "tools"))
 
 import bench  # noqa: E402
+import bench_apply  # noqa: E402
 import bench_gram  # noqa: E402
 import bench_loop  # noqa: E402
 import placement_floor  # noqa: E402
@@ -148,6 +149,14 @@ def test_bench_gram_times_every_convolutions_rows_both_ways(capsys: pytest.Captu
     assert [line.split()[:2] for line in lines[:4]] == [["A", "(4,"], ["A", "(4,"], ["G", "(4,"], ["G", "(4,"]]
     assert lines[-1].startswith("digits_cnn: a step's rows: row-major ") and "as chosen" in lines[-1]
     assert bench_gram.factors.POSITIONS_INNER_FROM == shipped
+
+
+def test_bench_apply_times_both_ways_of_applying_cholesky_factors(capsys: pytest.CaptureFixture[str]) -> None:
+    bench_apply.main(["--shapes", "4x6,3x2", "--reps", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:4] == ["g", "x", "a", "solves"]
+    assert [line.split()[0] for line in lines[1:]] == ["4x6", "3x2"]
+    assert all(float(v) >= 0 for line in lines[1:] for v in line.split()[1:4])
 
 
 def test_bench_loop_says_how_to_get_kfac_pytorch(

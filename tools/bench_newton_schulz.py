@@ -13,28 +13,18 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fastest import fastest  # noqa: E402 - tools/, beside this file
 from tool_args import int_kwargs  # noqa: E402 - tools/, beside this file
 
 from kfacflow.models.builtin import build_model  # noqa: E402
 from kfacflow.optim import muon  # noqa: E402
-
-
-def _fastest(fn: Callable[[], object], reps: int) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -67,8 +57,8 @@ def main(argv: list[str] | None = None) -> None:
 
         alone = together = float("inf")
         for _ in range(2):  # alternate, so neither runs on a warmer machine
-            alone = min(alone, _fastest(each_alone, args.reps))
-            together = min(together, _fastest(one_shape_together, args.reps))
+            alone = min(alone, fastest(each_alone, args.reps))
+            together = min(together, fastest(one_shape_together, args.reps))
         print(f"{name}: {len(updates)} matrices in {len(shapes)} shapes {dict(shapes)}")
         print(f"  each alone {alone * 1e3:.2f} ms, one shape together {together * 1e3:.2f} ms: {together / alone:.2f}x")
 

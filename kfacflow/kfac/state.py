@@ -143,8 +143,15 @@ class FactorState:
             return
         with torch.no_grad(), self.engine.timer.span("InverseComp", mine[0].key if len(mine) == 1 else None, "inverse"):
             factors = [unpack(self.running[slot.key], slot.dim).to(self.inverse_dtype) for slot in mine]
-            inverses = invert_all(self.method, factors, self.schedule.damping)
+            inverses = [self.to_apply(inverse) for inverse in invert_all(self.method, factors, self.schedule.damping)]
         self.inverses.update({slot.key: inverse for slot, inverse in zip(mine, inverses, strict=True)})
+
+    def to_apply(self, inverse: Inverse) -> Inverse:
+        """``inverse`` made ready for the steps of one inversion period (:meth:`Inverse.for_uses`).
+
+        Every inverse this rank applies passes here, made, received or restored, so that each is applied alike.
+        """
+        return inverse.for_uses(self.schedule.inverse_every)
 
     def invert_given(self) -> None:
         """Invert the factors a plan made again gives this rank to invert, where it has their average but no inverse.
@@ -181,7 +188,8 @@ class FactorState:
         since the last exchange are superseded: the exchange starts again from the checkpoint's factors.
         """
         dtypes = (self.factor_dtype, self.inverse_dtype)
-        self.running, self.inverses = restored(state, self.engine.backend.device, dtypes, holds)
+        self.running, inverses = restored(state, self.engine.backend.device, dtypes, holds)
+        self.inverses = {key: self.to_apply(inverse) for key, inverse in inverses.items()}
         self.keep_held()
         assert self.comm is not None
         self.exchange = AtUpdate(self.decay, self.schedule)  # nothing held survives the checkpoint's averages

@@ -119,6 +119,10 @@ class Inverse(ABC):
     def to_flat(self) -> Tensor:
         """Return one vector to broadcast."""
 
+    def for_uses(self, uses: int) -> Inverse:
+        """This inverse made ready to be applied ``uses`` times (the steps of an inversion period): here, itself."""
+        return self
+
     def to_full(self) -> Tensor:
         """Return the vector a ``full`` broadcast sends (by default :meth:`to_flat`'s)."""
         return self.to_flat()

@@ -134,33 +134,76 @@ class EigenInverse(Inverse):
         return cls(flat[: d * d].reshape(d, d), flat[d * d :])
 
 
+EXPLICIT_UP_TO = 2048
+"""Widest factor whose Cholesky inverse (:class:`CholeskyFactorInverse`) is also formed explicitly to be applied.
+
+Two triangular solves cost more than one product with the explicit inverse, most for small factors. On one
+thread of this project's AMD EPYC CPU (``tools/bench_apply.py``), preconditioning a ``g x a`` gradient took
+0.031 against 0.006 ms at 16 x 10, 0.11 against 0.024 at 32 x 145, 1.07 against 0.42 at 64 x 513, 7.5 against
+4.8 at 128 x 1153, 45 against 33 at 256 x 2304 (``docs/results/explicit_inverses_2workers``); forming both explicit
+inverses (``potri``) is repaid after 1-5 applications up to 513 wide, 8-14 up to 2304. At 512 x 4608 the runs
+of one day gave 14 to 144 applications (the solves ran 1.02-1.3x the products' time): left to the solves."""
+
+EXPLICIT_FROM_USES = 10
+"""Fewest applications of one inverse (steps of an inversion period) for which it is formed explicitly."""
+
+
+def explicit_inverse(chol: Tensor) -> Tensor:
+    """``(L L^T)^-1`` from the lower Cholesky factor ``L``, exactly symmetric.
+
+    On CUDA ``cholesky_solve`` against the identity, made exactly symmetric: ``cholesky_inverse`` checks its own
+    status, one more wait for the device per factor.
+    """
+    if not chol.is_cuda:
+        return torch.cholesky_inverse(chol)
+    x = torch.cholesky_solve(torch.eye(chol.shape[0], dtype=chol.dtype, device=chol.device), chol)
+    return torch.add(x, x.T).mul_(0.5)
+
+
 class CholeskyFactorInverse(_OneMatrix):
     """``(F + damping I)^-1`` kept as the Cholesky factor ``L`` of ``F + damping I``: applied by two triangular solves.
 
-    A third of the flops of an explicit inverse to compute (no ``potri``), about the same to
-    apply (two triangular solves for one matrix product), and no less accurate. ``L`` travels
-    as its packed triangle, or whole; :attr:`matrix` is ``L``.
+    A third of the flops of an explicit inverse to compute (no ``potri``), and no less accurate. ``L`` travels
+    as its packed triangle, or whole; :attr:`matrix` is ``L``, what a checkpoint keeps. Where one inverse serves
+    enough steps (:meth:`for_uses`) the explicit inverse is formed from ``L`` once and applied by one product
+    instead: the solves cost more (:data:`EXPLICIT_UP_TO`). Every rank forms it from the same ``L`` alike, and
+    a resumed run from the checkpoint's.
     """
 
     kind = "cholesky_factor"
 
+    def __init__(self, matrix: Tensor) -> None:
+        super().__init__(matrix)
+        self.explicit: Tensor | None = None
+        """``(L L^T)^-1``, where :meth:`for_uses` formed it; then :meth:`left` and :meth:`right` multiply by it."""
+
+    def for_uses(self, uses: int) -> Inverse:
+        """Form the explicit inverse where ``uses`` applications repay it (:data:`EXPLICIT_UP_TO`); return this."""
+        if self.explicit is None and uses >= EXPLICIT_FROM_USES and self.matrix.shape[0] <= EXPLICIT_UP_TO:
+            self.explicit = explicit_inverse(self.matrix)
+        return self
+
     def left(self, x: Tensor) -> Tensor:
-        """Return ``(L L^T)^-1 x``: two triangular solves."""
+        """Return ``(L L^T)^-1 x``: two triangular solves, or one product with the explicit inverse."""
+        if self.explicit is not None:
+            return self.explicit @ x
         y = torch.linalg.solve_triangular(self.matrix, x, upper=False)
         return torch.linalg.solve_triangular(self.matrix.T, y, upper=True)
 
     def right(self, x: Tensor) -> Tensor:
-        """Return ``x (L L^T)^-1``, solving from the right.
+        """Return ``x (L L^T)^-1``, solving from the right (or one product with the explicit inverse).
 
-        As fast as multiplying by an explicit inverse (0.25 s for a 512 x 4608 gradient on one
-        CPU thread), where ``cholesky_solve`` on the transpose takes 0.36 s.
+        About as fast as multiplying by an explicit inverse for a 512 x 4608 gradient on one CPU thread (1.02-1.3x
+        its time), where ``cholesky_solve`` on the transpose takes 1.4x the solves'.
         """
+        if self.explicit is not None:
+            return x @ self.explicit
         y = torch.linalg.solve_triangular(self.matrix.T, x, upper=True, left=False)
         return torch.linalg.solve_triangular(self.matrix, y, upper=False, left=False)
 
     def dense(self) -> Tensor:
-        """Return the inverse as a dense matrix (for inspection; the step never forms it)."""
-        return torch.cholesky_inverse(self.matrix)
+        """Return the inverse as a dense matrix (the explicit one, where formed)."""
+        return explicit_inverse(self.matrix) if self.explicit is None else self.explicit
 
     def to_flat(self) -> Tensor:
         """Return the lower triangle of ``L``, packed (as the upper triangle of ``L^T``)."""
@@ -270,20 +313,13 @@ def invert_all(invert: Callable[[Tensor, float], Inverse], factors: list[Tensor]
 
 
 class Cholesky(CholeskyBased):
-    """``(factor + damping I)^-1`` through a Cholesky factorisation (half LU's flops), as a dense matrix.
-
-    On CUDA the inverse is ``cholesky_solve`` against the identity, made exactly symmetric:
-    ``cholesky_inverse`` checks its own status, one more wait for the device per factor.
-    """
+    """``(factor + damping I)^-1`` through a Cholesky factorisation (half LU's flops), as a dense matrix."""
 
     result: type[Inverse] = DenseInverse
 
     def from_cholesky(self, chol: Tensor) -> Inverse:
         """Return ``(L L^T)^-1`` as a :class:`DenseInverse`."""
-        if not chol.is_cuda:
-            return DenseInverse(torch.cholesky_inverse(chol))
-        x = torch.cholesky_solve(torch.eye(chol.shape[0], dtype=chol.dtype, device=chol.device), chol)
-        return DenseInverse(torch.add(x, x.T).mul_(0.5))
+        return DenseInverse(explicit_inverse(chol))
 
     def fallback(self, factor: Tensor, damping: float) -> Inverse:
         """The eigendecomposition's inverse, as a dense matrix."""
@@ -334,5 +370,6 @@ INVERSES.add("eigen", eigen_inverse, "symmetric eigendecomposition; Q and 1/(lam
 INVERSES.add(
     "cholesky_factor",
     cholesky_factor,
-    "Cholesky factor only (a third of the flops); preconditioning solves with it instead of multiplying",
+    "Cholesky factor only (a third of the flops); preconditioning solves with it, or multiplies by the explicit "
+    "inverse formed from it where the inversion period repays that",
 )

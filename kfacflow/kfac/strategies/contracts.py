@@ -83,6 +83,10 @@ class State(Protocol):
         """Blend arrived factors into their running averages; return their keys."""
         ...
 
+    def to_apply(self, inverse: Inverse) -> Inverse:
+        """``inverse`` made ready for the steps of one inversion period (a received one as a made one)."""
+        ...
+
     def invert(self, batch: list[FactorSlot]) -> None:
         """Invert the factors of ``batch`` this rank inverts."""
         ...

@@ -144,7 +144,7 @@ class InverseBroadcast(Broadcast):
                 with engine.timer.span("InverseComm"):
                     send.handle.wait()
                 if not send.keep:  # every rank holds the same bits: the broadcast copy
-                    state.inverses[send.slot.key] = self._received(engine, result, send)
+                    state.inverses[send.slot.key] = state.to_apply(self._received(engine, result, send))
                 waiting.discard(send.slot.key)
                 early(apply_ready)
         apply_ready()
