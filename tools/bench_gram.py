@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections import Counter
 from collections.abc import Callable
 from functools import partial
@@ -33,6 +32,8 @@ import torch
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fastest import fastest  # noqa: E402 - tools/, beside this file
 
 from kfacflow.kfac.layers import find_layers  # noqa: E402
 from kfacflow.kfac.packing import pack  # noqa: E402
@@ -80,24 +81,13 @@ def row_copies(name: str, image_size: int, channels: int, batch: int, reps: int)
     total = [0.0, 0.0]
     for label, copy in copies:
         factors.POSITIONS_INNER_FROM = 2**62  # never column-major
-        seconds, reference = [fastest(copy, reps)], copy()
+        seconds, reference = [fastest(copy, reps, untimed=1)], copy()
         factors.POSITIONS_INNER_FROM = chosen
-        seconds.append(fastest(copy, reps))
+        seconds.append(fastest(copy, reps, untimed=1))
         assert torch.equal(copy(), reference), label  # the same values either way
         total = [t + s for t, s in zip(total, seconds, strict=True)]
         print(f"  {label:<22} row-major {seconds[0] * 1e3:7.2f} ms  as chosen {seconds[1] * 1e3:7.2f} ms")
     print(f"{name}: a step's rows: row-major {total[0] * 1e3:.1f} ms, as chosen {total[1] * 1e3:.1f} ms", flush=True)
-
-
-def fastest(fn: Callable[[], object], reps: int) -> float:
-    """The fastest of ``reps`` calls, in seconds (after one untimed call)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def main() -> None:
@@ -122,10 +112,10 @@ def main() -> None:
         total: dict[str | int, float] = dict.fromkeys(["whole", *widths], 0.0)
         for (rows, width), count in sorted(counts.items(), key=lambda kv: -kv[0][0] * kv[0][1] ** 2):
             a = torch.randn(rows, width)
-            line: dict[str | int, float] = {"whole": fastest(lambda: pack(a.T @ a), args.reps)}  # noqa: B023
+            line: dict[str | int, float] = {"whole": fastest(lambda: pack(a.T @ a), args.reps, untimed=1)}  # noqa: B023
             for block in widths:
                 factors.GRAM_BLOCK = block
-                line[block] = fastest(lambda: factors.gram_packed(a), args.reps)  # noqa: B023
+                line[block] = fastest(lambda: factors.gram_packed(a), args.reps, untimed=1)  # noqa: B023
             for key, seconds in line.items():
                 total[key] += count * seconds
             ratios = " ".join(f"{b}:{line[b] / line['whole']:.2f}" for b in widths)

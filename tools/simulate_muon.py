@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fastest import fastest  # noqa: E402 - tools/, beside this file
 from simulate import traced  # noqa: E402  (the layer profiles, read and checked as simulate.py reads them)
 from tool_args import count, counts, number  # noqa: E402
 
@@ -49,12 +49,7 @@ def timed(shapes: Sequence[Shape], steps: int, dtype: torch.dtype, reps: int) ->
     out = {}
     for shape in sorted(set(shapes)):
         update = torch.randn(shape)
-        best = float("inf")
-        for _ in range(reps):
-            start = time.perf_counter()
-            muon.orthogonalised(update, steps, dtype=dtype)
-            best = min(best, time.perf_counter() - start)
-        out[shape] = best
+        out[shape] = fastest(lambda: muon.orthogonalised(update, steps, dtype=dtype), reps)  # noqa: B023 - called here
     return out
 
 
