@@ -3,6 +3,7 @@
     torchrun --nproc_per_node 2 examples/train_your_own.py            # 2 workers (gloo on CPU, NCCL on GPUs)
     python examples/train_your_own.py --variant flow --epochs 3       # one process
     python examples/train_your_own.py --amp fp16                      # mixed precision (a GradScaler for fp16)
+    torchrun --nproc_per_node 2 examples/train_your_own.py --variant flow --optimizer muon   # K-FAC + Muon
 
 It trains a small CNN on scikit-learn's handwritten digits (no download) and prints the test
 accuracy. Nothing here is kfacflow's but the lines marked ``kfacflow``.
@@ -31,6 +32,7 @@ def main() -> None:
     p.add_argument("--variant", default="spd", help="d, mpd, spd or flow")
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "muon"], help="muon: kfacflow.muon, K-FAC + Muon")
     p.add_argument("--amp", default="none", choices=["none", "bf16", "fp16"], help="autocast the forward pass")
     args = p.parse_args()
 
@@ -63,7 +65,10 @@ def main() -> None:
         nn.Linear(64, 10),
     ).to(device)
     net = DistributedDataParallel(model) if distributed else model
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    if args.optimizer == "muon":  # kfacflow: Muon for the matrices and filters, AdamW for the rest
+        optimizer: torch.optim.Optimizer = kfacflow.muon(model, lr=args.lr, adamw_lr=3e-3)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
     # kfacflow: joins the process group above; the damping may be a function of the step; with fp16, the
@@ -71,6 +76,8 @@ def main() -> None:
     precond = kfacflow.KFACPreconditioner(
         net, variant=args.variant, lr=args.lr, damping=lambda step: 0.003, device=device.type, grad_scaler=scaler
     )
+    if args.optimizer == "muon" and args.variant == "flow":
+        precond.finish_muon(optimizer)  # kfacflow: each layer's owner runs its Muon step; no rank repeats another's
 
     for epoch in range(args.epochs):
         if sampler is not None:
@@ -95,7 +102,8 @@ def main() -> None:
         inputs, targets = test.tensors[0].to(device), test.tensors[1].to(device)
         accuracy = (model(inputs).argmax(1) == targets).float().mean().item()
     if rank == 0:
-        print(f"test accuracy {accuracy:.3f} after {precond.steps} steps ({args.variant})", flush=True)
+        what = f"{args.variant}, {args.optimizer}"
+        print(f"test accuracy {accuracy:.3f} after {precond.steps} steps ({what})", flush=True)
     precond.remove()  # kfacflow: hooks off, K-FAC's process groups closed; the job's own group stays
     if distributed:
         dist.destroy_process_group()

@@ -15,11 +15,15 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    """``kfacflow.KFACPreconditioner``, the library API, imported on first use (the root stays a leaf)."""
+    """``kfacflow.KFACPreconditioner`` and ``kfacflow.muon``, the library API, imported on first use (a leaf root)."""
     if name == "KFACPreconditioner":
         from kfacflow.library import KFACPreconditioner
 
         return KFACPreconditioner
+    if name == "muon":
+        from kfacflow.library_muon import muon
+
+        return muon
     raise AttributeError(f"module 'kfacflow' has no attribute {name!r}")
 
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from kfacflow import UserError, registry
+from kfacflow import UserError, library_muon, registry
 from kfacflow.comm.base import Backend
 from kfacflow.configuration.rules import kfac_section
 from kfacflow.configuration.schema import DistConfig
@@ -212,6 +212,9 @@ class KFACPreconditioner:
         )
         self.core.grad_scaler = grad_scaler
         self.cfg = cfg
+        self._broadcast = names.broadcast
+        self._muon: tuple[library_muon.Muon, float] | None = None
+        """:meth:`finish_muon`'s optimizer and norm bound."""
 
     def _grad_sync(self, cfg: Any, names: Stages, wrapped: bool, backend: str) -> Stages:
         # A grad sync that needs the gradients averaged after backward averages them itself.
@@ -300,9 +303,22 @@ class KFACPreconditioner:
         gradients = None if self._averaged is not None else self.core.stages.grad_sync.gradients(self.backend, params)
         self._forget_averaged()
         self.core.step(lr, gradients)
+        if self._muon is not None and self.core.updates.owned is None:  # one process: no owner clips
+            library_muon.clip(self.model, self._muon[1])
         if self.syncs_buffers:
             self.backend.sync_buffers(self.model)
         self._intervals(step + 1)  # whether the next forward pass captures factors
+
+    def finish_muon(self, optimizer: torch.optim.Optimizer, clip_grad_norm: float = 0.0) -> None:
+        """Let each layer's owner run ``optimizer``'s Muon step of that layer (:func:`kfacflow.library_muon.finish`).
+
+        ``optimizer``: :func:`kfacflow.muon`'s over this model. ``clip_grad_norm``: the applied gradients'
+        norm bound (0: off), clipped inside :meth:`step`. Call once, on every rank; ``optimizer.state_dict()``
+        is then collective, and :meth:`remove` gives every rank every momentum back.
+        """
+        library_muon.finish(self.core, self.model, optimizer, clip_grad_norm, self._broadcast)
+        assert isinstance(optimizer, library_muon.Muon)  # finish refuses any other
+        self._muon = (optimizer, float(clip_grad_norm))
 
     def average_gradients(self) -> None:
         """Average this step's gradients over the ranks now, for code that reads or changes them before :meth:`step`.
@@ -345,7 +361,13 @@ class KFACPreconditioner:
         self._intervals(self.core.steps)
 
     def remove(self) -> None:
-        """Take the hooks off the model and close K-FAC's process groups (the job's own group stays)."""
+        """Take the hooks off the model and close K-FAC's process groups (the job's own group stays).
+
+        A Muon given to :meth:`finish_muon` gets every momentum back on every rank (collective) and steps alone.
+        """
+        if self._muon is not None:
+            library_muon.release(self.core, self._muon[0])
+            self._muon = None
         self.core.remove()
         self._forget_averaged()
         self._close()

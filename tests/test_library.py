@@ -272,11 +272,12 @@ def test_every_value_a_schedule_gives_is_checked(
 
 
 @pytest.mark.slow
-def test_the_example_trains_under_torchrun_with_two_workers() -> None:
+@pytest.mark.parametrize("args", [(), ("--variant", "flow", "--optimizer", "muon")], ids=["spd-sgd", "flow-muon"])
+def test_the_example_trains_under_torchrun_with_two_workers(args: tuple[str, ...]) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
     out = subprocess.run(
-        [*cmd, str(ROOT / "examples" / "train_your_own.py"), "--epochs", "3"],
+        [*cmd, str(ROOT / "examples" / "train_your_own.py"), "--epochs", "3", *args],
         cwd=ROOT,
         env={**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},  # this checkout, installed or not
         capture_output=True,
@@ -285,7 +286,8 @@ def test_the_example_trains_under_torchrun_with_two_workers() -> None:
     )
     assert out.returncode == 0, out.stderr[-3000:]
     line = out.stdout.strip().splitlines()[-1]
-    assert line.startswith("test accuracy") and "(spd)" in line, out.stdout
+    expected = "(flow, muon)" if args else "(spd, sgd)"  # K-FAC + Muon: Muon's step finished on the layers' owners
+    assert line.startswith("test accuracy") and expected in line, out.stdout
     assert float(line.split()[2]) >= 0.9, line
 
 

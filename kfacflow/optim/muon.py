@@ -199,6 +199,28 @@ class Muon(torch.optim.Optimizer):
         """The whole state, every owner's momenta included (collective where sharded: every rank must call it)."""
         if self.sharding is None:
             return super().state_dict()
+        borrowed = self._borrow_every_momentum()
+        try:
+            return super().state_dict()
+        finally:
+            for p in borrowed:
+                del self.state[p]
+
+    def unshard(self) -> None:
+        """Every rank holds every momentum again and steps every matrix, as ``replicated`` (collective where sharded).
+
+        For a Muon whose owners go away (:meth:`kfacflow.library.KFACPreconditioner.remove`): it steps on alone.
+        """
+        if self.sharding is None:
+            return
+        self._borrow_every_momentum()
+        self.sharding, self.owners = None, "replicated"
+        self.finished_elsewhere = frozenset()
+        self.pending.clear()
+
+    def _borrow_every_momentum(self) -> list[Tensor]:
+        """Give this rank's state every owner's momentum (collective); returns the matrices it did not hold."""
+        assert self.sharding is not None
         gathered: dict[int, Tensor] = {}
         for group in self.muon_groups():  # one exchange a group, as its steps: the momenta in its weights' dtype
             gathered.update(self.sharding.every_momentum(group["params"], self.state))
@@ -206,11 +228,7 @@ class Muon(torch.optim.Optimizer):
         borrowed = [p for p in matrices if id(p) in gathered and p not in self.state]
         for p in borrowed:
             self.state[p] = {"momentum_buffer": gathered[id(p)]}
-        try:
-            return super().state_dict()
-        finally:
-            for p in borrowed:
-                del self.state[p]
+        return borrowed
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # noqa: D102 - torch.optim.Optimizer
         """Load the whole state; where sharded, keep the momenta of the matrices this rank owns."""
