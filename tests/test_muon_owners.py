@@ -177,6 +177,16 @@ def test_auto_takes_owners_only_where_their_share_and_gather_beat_every_matrix()
     assert owner_choice.Timed(replicated=0.3, owned=0.1, gather=0.5).choice() == "replicated"
 
 
+@pytest.mark.parametrize(("budget", "calls"), [(float("inf"), owner_choice.REPEATS), (0.0, 1)])
+def test_a_ranks_own_timing_is_repeated_within_its_budget(
+    monkeypatch: pytest.MonkeyPatch, budget: float, calls: int
+) -> None:
+    monkeypatch.setattr(owner_choice, "LOCAL_BUDGET_S", budget)
+    made: list[int] = []
+    best = owner_choice._fastest_local(lambda: made.append(1), torch.device("cpu"))
+    assert len(made) == calls and 0 < best < 1
+
+
 def _auto(rank: int, world: int) -> tuple[owner_choice.Timed, str, bool]:
     backend = TorchBackend(DistConfig(device="cpu"))
     torch.manual_seed(rank)  # unlike weights and timings on each rank: the choice must still be one

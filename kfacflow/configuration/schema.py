@@ -175,8 +175,8 @@ class MuonConfig:
     update in place of the preconditioned one (no second exchange; where K-FAC's owners send updates:
     ``kfac.variant=flow``), ``placed`` by each matrix's Newton-Schulz cost, ``round_robin`` in model order,
     ``replicated`` (every worker does every matrix, as ``torch.optim.Muon``), or ``auto``: owners (``kfac`` where
-    K-FAC's owners send updates, else ``placed``) or ``replicated``, whichever is faster by one timing of each on
-    this job as it starts (logged)."""
+    K-FAC's owners send updates, else ``placed``) or ``replicated``, whichever is faster on this job as it starts
+    (the fastest of 5 timings of each, logged)."""
 
 
 @dataclass
