@@ -53,9 +53,9 @@ class Timed:
 
 
 REPEATS = 5
-"""Most timings of each rank's own Newton-Schulz: the fastest counts. One timing chose the ViT's owners by a
-coin's throw on this project's 2-core CPU (six starts of one job: the replicated pass 4.5-7.3 ms, the gather
-1.6-8.8 ms), as the other rank and the link's threads take the core from it."""
+"""Most timings of each rank's own Newton-Schulz: the fastest counts. Where the other rank and the link's threads
+share the cores, one timing is often a preempted one, and chose by chance
+(``docs/results/owner_choice_repeats_2workers``)."""
 LOCAL_BUDGET_S = 1.0
 """Seconds after which a rank's own timing stops repeating (ResNet-50's replicated pass alone takes 3 s)."""
 GATHERS = 5
