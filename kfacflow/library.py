@@ -212,7 +212,7 @@ class KFACPreconditioner:
         )
         self.core.grad_scaler = grad_scaler
         self.cfg = cfg
-        self._broadcast = names.broadcast
+        self._names = names
         self._muon: tuple[library_muon.Muon, float] | None = None
         """:meth:`finish_muon`'s optimizer and norm bound."""
 
@@ -316,7 +316,7 @@ class KFACPreconditioner:
         norm bound (0: off), clipped inside :meth:`step`. Call once, on every rank; ``optimizer.state_dict()``
         is then collective, and :meth:`remove` gives every rank every momentum back.
         """
-        library_muon.finish(self.core, self.model, optimizer, clip_grad_norm, self._broadcast)
+        library_muon.finish(self.core, self.model, optimizer, clip_grad_norm, self._names)
         assert isinstance(optimizer, library_muon.Muon)  # finish refuses any other
         self._muon = (optimizer, float(clip_grad_norm))
 

@@ -23,13 +23,13 @@ from kfacflow import UserError, did_you_mean
 from kfacflow.configuration.errors import merge
 from kfacflow.configuration.rules import check_ranges
 from kfacflow.configuration.schema import MuonConfig, OptimConfig
-from kfacflow.kfac.strategies.update_broadcast import UpdateBroadcast
 from kfacflow.on_owners import muon_step
 from kfacflow.optim.muon import Muon
 from kfacflow.optim.optimizers import muon_adamw
 
 if TYPE_CHECKING:
     from kfacflow.kfac.preconditioner import Preconditioner
+    from kfacflow.kfac.variants import Stages
     from kfacflow.on_owners.muon_step import OwnedMuon
 
 WHERE = "kfacflow.muon"
@@ -81,7 +81,7 @@ def muon(model: nn.Module, lr: float = 0.02, **keys: Any) -> Muon:
 
 
 def finish(
-    kfac: Preconditioner, model: nn.Module, optimizer: object, clip_grad_norm: float, broadcast: str
+    kfac: Preconditioner, model: nn.Module, optimizer: object, clip_grad_norm: float, names: Stages
 ) -> OwnedMuon | None:
     """Let ``kfac``'s layer owners finish ``optimizer``'s Muon step of their layers; None on one process.
 
@@ -91,7 +91,7 @@ def finish(
     Muon's (to round-off). ``clip_grad_norm`` is then applied inside the step (no rank holds every update
     to clip after it). Each momentum lives on its owner: ``optimizer.state_dict()`` gathers them
     (collective); :func:`release` gives them back to every rank.
-    ``broadcast``: the preconditioner's ``kfac.broadcast`` (named in the error where it sends no updates).
+    ``names``: the preconditioner's stages (whether its owners send updates: :func:`muon_step.sends_updates`).
 
     Raises:
         UserError: ``optimizer`` is not :func:`muon`'s over ``model``; a bad ``clip_grad_norm``; the
@@ -106,15 +106,15 @@ def finish(
     ours = {id(p) for p in model.parameters()}
     if any(id(p) not in ours for g in optimizer.param_groups for p in g["params"]):
         raise UserError(f"{where}: the optimizer steps parameters that are not this preconditioner's model's.")
-    if isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, int | float) or not clip_grad_norm >= 0:
-        raise UserError(f"{where}: clip_grad_norm={clip_grad_norm!r}; give a number >= 0 (0 is off).")
-    if not math.isfinite(clip_grad_norm):
+    number = isinstance(clip_grad_norm, int | float) and not isinstance(clip_grad_norm, bool)
+    if not (number and math.isfinite(clip_grad_norm) and clip_grad_norm >= 0):
         raise UserError(f"{where}: clip_grad_norm={clip_grad_norm!r}; give a finite number >= 0 (0 is off).")
-    if not isinstance(kfac.stages.broadcast, UpdateBroadcast):
+    if not muon_step.sends_updates(names):
         raise UserError(
             f"{where}: the layers' owners finish Muon's step only where they send the updates (variant='flow', "
-            f"or broadcast={' or '.join(repr(b) for b in muon_step.UPDATES)}); this one's broadcast is {broadcast!r}. "
-            "Use variant='flow', or step the optimizer as it is (every rank then does every matrix)."
+            f"or broadcast={' or '.join(repr(b) for b in muon_step.UPDATES)}); this one's broadcast is "
+            f"{names.broadcast!r}. Use variant='flow', or step the optimizer as it is (every rank then does "
+            "every matrix)."
         )
     if kfac.updates.owned is not None or optimizer.owners != "replicated":
         raise UserError(f"{where}: called twice; one optimizer's step is finished once.")
